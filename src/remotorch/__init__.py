@@ -1,0 +1,31 @@
+"""remotorch: run PyTorch graphs on a remote worker while writing ordinary PyTorch.
+
+``torch.compile(model, backend="remotorch")`` runs each captured graph on a
+worker; :func:`compile` gives explicit control; :class:`Session` says which
+worker (an embedded loopback worker when none is configured).
+"""
+
+from __future__ import annotations
+
+from . import errors
+from .capture.backend import compile, remotorch_backend
+from .session import Session, default_session
+
+__all__ = ["Session", "compile", "default_session", "errors", "remotorch_backend"]
+__version__ = "0.1.0"
+
+
+def _register_backend() -> None:
+    """Register "remotorch" with dynamo unless the installed entry point will."""
+    from importlib.metadata import entry_points
+
+    if any(ep.name == "remotorch" for ep in entry_points(group="torch_dynamo_backends")):
+        return  # dynamo loads it through the entry point (also without this import)
+    from torch._dynamo.backends.registry import lookup_backend, register_backend
+    try:
+        lookup_backend("remotorch")
+    except Exception:
+        register_backend(compiler_fn=remotorch_backend, name="remotorch")
+
+
+_register_backend()

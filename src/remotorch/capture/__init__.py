@@ -1,0 +1,1 @@
+"""Capture: the dynamo backend, lowering to aten, and the remote graph callables."""

@@ -1,0 +1,81 @@
+"""The ``remotorch`` TorchDynamo backend.
+
+Dynamo hands over a torch-level FX graph with parameters and buffers lifted
+to inputs; aot_autograd lowers it to functional aten graphs (forward, and
+backward when gradients are needed) and tells which inputs are static
+(parameters/buffers). Each aten graph becomes a :class:`RemoteGraph`:
+encoded once, uploaded once, its static inputs sent by content id.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..errors import UnsupportedGraphError
+from .remote import FALLBACKS, RemoteGraph, output_devices
+
+
+def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
+                      engine: str = "eager", fallback: str = "local", options: dict | None = None):
+    """Dynamo backend: run every captured graph on a remotorch worker.
+
+    ``options`` (from ``torch.compile(..., options=...)``) may set
+    ``session``, ``engine`` and ``fallback``.
+    """
+    from torch._dynamo.backends.common import aot_autograd
+
+    opts = dict(options or {})
+    session = opts.pop("session", session)
+    engine = opts.pop("engine", engine)
+    fallback = opts.pop("fallback", fallback)
+    if opts:
+        raise ValueError(f"unknown remotorch backend options: {sorted(opts)}")
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    make = functools.partial(_compile_aten, session=session, engine=engine, fallback=fallback)
+    return aot_autograd(fw_compiler=functools.partial(make, static=True),
+                        inference_compiler=functools.partial(make, static=True),
+                        bw_compiler=functools.partial(make, static=False))(gm, example_inputs)
+
+
+def _static_indices(example_inputs) -> list[int]:
+    from torch._guards import TracingContext
+    ctx = TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx else None
+    indices = list(getattr(meta, "static_input_indices", None) or [])
+    return [i for i in indices if i < len(example_inputs) and isinstance(example_inputs[i], torch.Tensor)]
+
+
+def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: str,
+                  fallback: str, static: bool) -> RemoteGraph:
+    """aot_autograd compiler hook: wrap one aten graph for remote execution."""
+    from ..codec.graph import encode_graph
+    from ..session import default_session
+
+    def get_session():
+        return session if session is not None else default_session()
+
+    payload, unsupported = None, None
+    try:
+        payload = encode_graph(gm)
+    except UnsupportedGraphError as exc:
+        unsupported = exc
+    return RemoteGraph(payload, session_getter=get_session, engine=engine, fallback=fallback,
+                       resident=_static_indices(example_inputs) if static else [],
+                       output_devices=output_devices(gm), local=gm.forward, unsupported=unsupported)
+
+
+def compile(fn, *, session=None, engine: str = "eager", fallback: str = "local", dynamic: bool | None = None):
+    """``torch.compile`` with remotorch as the backend, with explicit control.
+
+    ``engine`` is the worker-side engine (``"eager"``, ``"inductor"``);
+    ``fallback`` is ``"local"`` (run locally with a warning on remote failure)
+    or ``"raise"`` (raise the typed ``RemoteError``); ``dynamic=True`` makes
+    one uploaded graph serve every batch size.
+    """
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    backend = functools.partial(remotorch_backend, session=session, engine=engine, fallback=fallback)
+    return torch.compile(fn, backend=backend, dynamic=dynamic)

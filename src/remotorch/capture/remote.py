@@ -1,0 +1,75 @@
+"""The callable that stands in for one captured aten graph: runs it remotely, or locally.
+
+aot_autograd calls it with the flat argument list (boxed convention). It
+asks its session to run the graph; on a remote failure it follows its
+fallback policy: ``"local"`` runs the same aten graph here (one warning per
+graph, counted in ``stats()["fallbacks"]``), ``"raise"`` lets the typed
+``RemoteError`` through.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from ..codec.graph import GraphPayload
+from ..errors import RemoteError, RemoteFallbackWarning
+
+log = logging.getLogger(__name__)
+
+FALLBACKS = ("local", "raise")
+
+
+class RemoteGraph:
+    """One uploaded-once graph, its resident arguments, and its fallback."""
+
+    _boxed_call = True
+
+    def __init__(self, payload: GraphPayload | None, *, session_getter: Callable, engine: str,
+                 fallback: str, resident: list[int], output_devices: list, local: Callable,
+                 unsupported: RemoteError | None = None) -> None:
+        self.payload = payload
+        self.graph_id = payload.graph_id if payload else ""
+        self.engine = engine
+        self.fallback = fallback
+        self.resident = resident
+        self.output_devices = output_devices
+        self._session_getter = session_getter
+        self._local = local
+        self._unsupported = unsupported
+        self._warned = False
+
+    def __call__(self, args: list) -> list:
+        session = self._session_getter()
+        if self._unsupported is not None:
+            return self._fall_back(session, args, self._unsupported)
+        try:
+            return session.run_graph(self, args)
+        except RemoteError as exc:
+            return self._fall_back(session, args, exc)
+
+    def _fall_back(self, session, args: list, exc: RemoteError) -> list:
+        if self.fallback == "raise":
+            raise exc
+        session.note_fallback()
+        if not self._warned:
+            self._warned = True
+            short = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            warnings.warn(f"remotorch: graph {self.graph_id[:12] or '(not encodable)'} runs locally "
+                          f"({type(exc).__name__}: {short})", RemoteFallbackWarning, stacklevel=3)
+        log.debug("local fallback for graph %s", self.graph_id[:12], exc_info=exc)
+        return list(self._local(*args))
+
+
+def output_devices(gm: torch.fx.GraphModule) -> list:
+    """The device each output is expected on (None for non-tensor outputs)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    devices = []
+    for v in values:
+        val = v.meta.get("val") if isinstance(v, torch.fx.Node) else None
+        devices.append(val.device if isinstance(val, torch.Tensor) else None)
+    return devices

@@ -1,0 +1,1 @@
+"""Wire format: graph documents, tensor frames and message schemas (no pickle, ever)."""

@@ -1,0 +1,145 @@
+"""Every message of the remotorch protocol, and nothing else.
+
+A message travels as frame 0 (an msgpack :class:`Envelope`) followed by raw
+buffer frames (tensor bytes, never copied into the header). The envelope
+carries the protocol version; ``docs/protocol.md`` is the normative text.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
+    """How to view one buffer frame as a tensor: dtype, shape, strides (elements)."""
+
+    dtype: str
+    shape: list[int]
+    strides: list[int]
+    frame: int  # index into the message's buffer frames (0 = first after the header)
+
+
+# ----------------------------------------------------------------- call arguments
+class TensorArg(msgspec.Struct, frozen=True, tag="t", array_like=True):
+    """A tensor sent inline in this message's frames."""
+
+    meta: TensorMeta
+
+
+class RefArg(msgspec.Struct, frozen=True, tag="r", array_like=True):
+    """A tensor already held by the worker, named by its content id."""
+
+    id: str
+
+
+class ScalarArg(msgspec.Struct, frozen=True, tag="s", array_like=True):
+    """A Python scalar (int, float, bool or None): symbolic sizes, unwrapped numbers."""
+
+    value: Union[int, float, bool, None]
+
+
+Arg = Union[TensorArg, RefArg, ScalarArg]
+
+
+# ----------------------------------------------------------------------- requests
+class Health(msgspec.Struct, frozen=True, tag="health"):
+    """Ask who the worker is and what it offers."""
+
+
+class PutGraph(msgspec.Struct, frozen=True, tag="put_graph"):
+    """Upload a graph document; frames hold its tensor constants (see ``consts``)."""
+
+    graph_id: str
+    doc: bytes
+    consts: list[TensorMeta] = []
+
+
+class PutTensors(msgspec.Struct, frozen=True, tag="put_tensors"):
+    """Upload resident tensors (weights, buffers) under their content ids."""
+
+    ids: list[str]
+    metas: list[TensorMeta]
+
+
+class RunGraph(msgspec.Struct, frozen=True, tag="run"):
+    """Run an uploaded graph on an engine with the given flat arguments."""
+
+    graph_id: str
+    engine: str
+    args: list[Arg]
+
+
+class Echo(msgspec.Struct, frozen=True, tag="echo"):
+    """Send the frames straight back: measures the transport alone."""
+
+
+Request = Union[Health, PutGraph, PutTensors, RunGraph, Echo]
+
+
+# ------------------------------------------------------------------------ replies
+class HealthReply(msgspec.Struct, frozen=True, tag="health_reply"):
+    name: str
+    device: str
+    torch_version: str
+    engines: list[str]
+    protocol: int
+    sessions: int = 0
+    resident_bytes: int = 0
+
+
+class Ok(msgspec.Struct, frozen=True, tag="ok"):
+    pass
+
+
+class RunReply(msgspec.Struct, frozen=True, tag="run_reply"):
+    """Flat outputs (tensors in frames, scalars inline) and the worker's own timing."""
+
+    outputs: list[Arg]
+    run_ms: float
+    compiled: bool = False  # this call compiled the graph for its engine
+
+
+class EchoReply(msgspec.Struct, frozen=True, tag="echo_reply"):
+    pass
+
+
+class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
+    """A typed failure; ``kind`` names a class in ``remotorch.errors``."""
+
+    kind: str
+    message: str
+    traceback: Union[str, None] = None
+    graphs: list[str] = []
+    tensors: list[str] = []
+
+
+Reply = Union[HealthReply, Ok, RunReply, EchoReply, ErrorReply]
+
+
+class Envelope(msgspec.Struct, frozen=True, array_like=True):
+    """Frame 0 of every message: protocol version plus one request or reply."""
+
+    v: int
+    body: Union[Request, Reply]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Envelope)
+
+
+def encode(body: Request | Reply) -> bytes:
+    """Serialize a message body into frame 0."""
+    return _encoder.encode(Envelope(PROTOCOL_VERSION, body))
+
+
+def decode(frame0: bytes | memoryview) -> Request | Reply:
+    """Parse frame 0; raises ``msgspec.ValidationError``/``DecodeError`` on bad input."""
+    env = _decoder.decode(frame0)
+    if env.v != PROTOCOL_VERSION:
+        raise msgspec.ValidationError(
+            f"protocol version {env.v} is not supported (this side speaks {PROTOCOL_VERSION})")
+    return env.body

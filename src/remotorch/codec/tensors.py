@@ -1,0 +1,119 @@
+"""Tensors as (dtype, shape, strides) plus one raw byte buffer.
+
+Dense tensors (contiguous or a permutation of it) travel as the exact bytes of
+the storage span they cover, with their strides, so the receiver rebuilds the
+same layout without a copy. Anything else is made contiguous first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+from ..errors import UnsupportedGraphError
+from .messages import TensorMeta
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: dt for name, dt in {
+        "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+        "bfloat16": torch.bfloat16, "int8": torch.int8, "int16": torch.int16,
+        "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8,
+        "bool": torch.bool, "complex64": torch.complex64, "complex128": torch.complex128,
+        "uint16": getattr(torch, "uint16", None), "uint32": getattr(torch, "uint32", None),
+        "uint64": getattr(torch, "uint64", None),
+        "float8_e4m3fn": getattr(torch, "float8_e4m3fn", None),
+        "float8_e5m2": getattr(torch, "float8_e5m2", None),
+    }.items() if dt is not None
+}
+_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Wire name of a dtype; raises UnsupportedGraphError for dtypes with no wire form."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise UnsupportedGraphError(f"dtype {dtype} cannot travel on the wire") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`; unknown names raise ``ValueError``."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}") from None
+
+
+def _dense_span(t: torch.Tensor) -> torch.Tensor | None:
+    """A 1-D contiguous view over the storage a dense tensor covers, or None."""
+    if t.is_contiguous():
+        return t.reshape(-1)
+    if any(s == 0 for s in t.stride()) or not torch._prims_common.is_non_overlapping_and_dense(t):
+        return None
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return torch.as_strided(t, (span,), (1,), t.storage_offset())
+
+
+def tensor_to_wire(t: torch.Tensor, frame: int) -> tuple[TensorMeta, memoryview]:
+    """Describe a tensor and expose its bytes without copying (when it is dense on CPU)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    name = dtype_name(t.dtype)
+    flat = _dense_span(t) if t.numel() else t.new_empty(0)
+    if flat is None:
+        t = t.contiguous()
+        flat = t.reshape(-1)
+    strides = list(t.stride()) if t.numel() else _contiguous_strides(t.shape)
+    raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+    meta = TensorMeta(name, list(t.shape), strides, frame)
+    return meta, memoryview(raw.numpy()).cast("B")
+
+
+def _contiguous_strides(shape) -> list[int]:
+    strides, acc = [], 1
+    for n in reversed(list(shape)):
+        strides.append(acc)
+        acc *= max(int(n), 1)
+    return strides[::-1]
+
+
+def tensor_from_wire(meta: TensorMeta, buf) -> torch.Tensor:
+    """View a received buffer (bytes, memoryview or uint8 ndarray) as the described tensor.
+
+    Validates that shape and strides fit inside the buffer; raises ``ValueError``
+    otherwise, so a hostile header cannot make the receiver read out of bounds.
+    """
+    dtype = dtype_from_name(meta.dtype)
+    shape, strides = list(meta.shape), list(meta.strides)
+    if len(shape) != len(strides) or len(shape) > 64:
+        raise ValueError("tensor meta: shape and strides disagree")
+    if any((not isinstance(x, int)) or x < 0 for x in shape + strides):
+        raise ValueError("tensor meta: negative size or stride")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel == 0:
+        return torch.empty_strided(shape, strides, dtype=dtype)
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    if span * itemsize != arr.nbytes:
+        raise ValueError(f"tensor meta: layout needs {span * itemsize} bytes, frame has {arr.nbytes}")
+    base = torch.from_numpy(arr) if arr.flags.writeable else torch.frombuffer(bytearray(arr), dtype=torch.uint8)
+    base = base.view(dtype) if dtype != torch.uint8 else base
+    return torch.as_strided(base, shape, strides, 0)
+
+
+def content_id(meta: TensorMeta, data: memoryview) -> str:
+    """Content hash of a tensor: dtype, shape, strides and bytes (sha256, hex)."""
+    h = hashlib.sha256()
+    h.update(f"{meta.dtype}|{meta.shape}|{meta.strides}|".encode())
+    h.update(data)
+    return h.hexdigest()

@@ -1,0 +1,76 @@
+"""The embedded default worker: a real ``remotorch serve`` subprocess on 127.0.0.1.
+
+Started with a free port and a random token when a session has no address,
+stopped when the session closes or this process exits. The child also exits
+by itself when its stdin closes, so it never outlives a crashed parent.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import weakref
+
+from .errors import WorkerUnavailableError
+
+READY_PREFIX = "remotorch: serving on "
+
+
+class EmbeddedWorker:
+    """A loopback worker process owned by this process."""
+
+    def __init__(self, device: str = "auto", *, start_timeout: float = 120.0) -> None:
+        self.token = secrets.token_hex(16)
+        env = dict(os.environ, REMOTORCH_TOKEN=self.token, PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "remotorch", "serve", "--host", "127.0.0.1", "--port", "0",
+               "--name", "local", "--device", device, "--exit-on-stdin-close"]
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=None, env=env, text=True)
+        self._finalizer = weakref.finalize(self, _stop, self._proc)
+        self.url = self._wait_ready(start_timeout)
+
+    def _wait_ready(self, timeout: float) -> str:
+        found: list[str] = []
+
+        def read() -> None:
+            for line in self._proc.stdout:  # type: ignore[union-attr]
+                if line.startswith(READY_PREFIX):
+                    found.append(line[len(READY_PREFIX):].strip())
+                    break
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not found:
+            self.stop()
+            raise WorkerUnavailableError(f"the embedded worker did not start within {timeout:.0f}s")
+        # keep draining stdout so the child never blocks on a full pipe
+        threading.Thread(target=lambda: [None for _ in self._proc.stdout], daemon=True).start()
+        return found[0]
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def stop(self) -> None:
+        """Stop the worker process (idempotent)."""
+        self._finalizer()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            proc.stdin.close()  # type: ignore[union-attr]
+        except OSError:
+            pass
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

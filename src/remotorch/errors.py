@@ -1,0 +1,135 @@
+"""Exceptions raised by remotorch.
+
+Every failure that involves the worker surfaces as a subclass of
+:class:`RemoteError`, so a caller can catch one type::
+
+    RemoteError
+    ├── TransportError                 the bytes did not make it (socket, framing)
+    │   ├── WorkerUnavailableError     no worker answers at the address (down, refused, timed out)
+    │   └── ProtocolError              a peer sent something that is not valid remotorch protocol
+    ├── AuthenticationError            the token was wrong or missing
+    ├── WorkerError                    the worker ran the request and it failed (carries its traceback)
+    │   └── RemoteOutOfMemoryError     the worker ran out of device or host memory for this call
+    ├── UnsupportedGraphError          the graph uses something the wire format or worker refuses
+    ├── InvalidRequestError            a well-formed request that does not fit (wrong arguments for a graph)
+    ├── LimitExceededError             a request is over a size limit of the worker
+    │   └── QuotaExceededError         a session is over its memory quota
+    └── MissingObjectsError            the worker lacks graphs/tensors the request names (session re-uploads)
+
+Errors raised on the worker travel back as an ``ErrorReply`` whose ``kind``
+names one of these classes; :func:`from_reply` rebuilds the exception.
+"""
+
+from __future__ import annotations
+
+
+class RemoteError(Exception):
+    """Base class of all remotorch errors."""
+
+    kind = "remote"
+
+    def __init__(self, message: str = "", *, remote_traceback: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.remote_traceback = remote_traceback
+
+    def __str__(self) -> str:
+        if self.remote_traceback:
+            return f"{self.message}\n--- worker traceback ---\n{self.remote_traceback}"
+        return self.message
+
+
+class TransportError(RemoteError):
+    """The request or reply could not be carried (socket error, broken framing)."""
+
+    kind = "transport"
+
+
+class WorkerUnavailableError(TransportError):
+    """No worker answered at the address: refused, down, or timed out."""
+
+    kind = "unavailable"
+
+
+class ProtocolError(TransportError):
+    """A peer sent bytes that are not valid remotorch protocol (or another version)."""
+
+    kind = "protocol"
+
+
+class AuthenticationError(RemoteError):
+    """The worker rejected the token (or the worker failed to prove it knows it)."""
+
+    kind = "auth"
+
+
+class WorkerError(RemoteError):
+    """The worker accepted the request, ran it, and it raised; see ``remote_traceback``."""
+
+    kind = "worker"
+
+
+class RemoteOutOfMemoryError(WorkerError):
+    """The worker ran out of memory for this call; it keeps serving."""
+
+    kind = "oom"
+
+
+class UnsupportedGraphError(RemoteError):
+    """The graph uses an operation or value the wire format or the worker refuses."""
+
+    kind = "unsupported"
+
+
+class InvalidRequestError(RemoteError):
+    """A well-formed request that does not fit what it names (argument count, dtype, rank)."""
+
+    kind = "invalid"
+
+
+class LimitExceededError(RemoteError):
+    """A request exceeds one of the worker's size limits."""
+
+    kind = "limit"
+
+
+class QuotaExceededError(LimitExceededError):
+    """A session exceeds its memory quota on the worker."""
+
+    kind = "quota"
+
+
+class MissingObjectsError(RemoteError):
+    """The worker does not hold graphs or tensors a request refers to.
+
+    The session handles this itself by uploading them again (e.g. after a
+    worker restart); users see it only if the re-upload fails too.
+    """
+
+    kind = "missing"
+
+    def __init__(self, message: str = "", *, graphs: list[str] | None = None,
+                 tensors: list[str] | None = None, remote_traceback: str | None = None) -> None:
+        super().__init__(message, remote_traceback=remote_traceback)
+        self.graphs = list(graphs or [])
+        self.tensors = list(tensors or [])
+
+
+_BY_KIND: dict[str, type[RemoteError]] = {
+    cls.kind: cls
+    for cls in (RemoteError, TransportError, WorkerUnavailableError, ProtocolError,
+                AuthenticationError, WorkerError, RemoteOutOfMemoryError,
+                UnsupportedGraphError, InvalidRequestError, LimitExceededError, QuotaExceededError)
+}
+
+
+def from_reply(kind: str, message: str, traceback: str | None,
+               graphs: list[str] | None = None, tensors: list[str] | None = None) -> RemoteError:
+    """Rebuild the exception a worker reported in an ``ErrorReply``."""
+    if kind == MissingObjectsError.kind:
+        return MissingObjectsError(message, graphs=graphs, tensors=tensors, remote_traceback=traceback)
+    return _BY_KIND.get(kind, WorkerError)(message, remote_traceback=traceback)
+
+
+class RemoteFallbackWarning(RuntimeWarning):
+    """A graph ran locally because the remote path failed (``fallback="local"``)."""

@@ -1,0 +1,103 @@
+"""The worker server: transport + codec + worker, and nothing else.
+
+Each connection is one session. Every request gets exactly one reply; every
+failure becomes an ``ErrorReply`` naming a ``remotorch.errors`` kind, and the
+server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+import msgspec
+import torch
+
+from .codec import messages as m
+from .codec.tensors import tensor_to_wire
+from .errors import InvalidRequestError, ProtocolError, RemoteError
+from .transport.server import TcpServer
+from .worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+class WorkerServer:
+    """Serves one :class:`~remotorch.worker.Worker` over TCP."""
+
+    def __init__(self, worker: Worker, host: str = "127.0.0.1", port: int = 7878,
+                 token: str | None = None, *, max_message_bytes: int = 1 << 38) -> None:
+        self.worker = worker
+        self._tcp = TcpServer(self.handle, host, port, token, protocol=m.PROTOCOL_VERSION,
+                              max_frame=max_message_bytes, on_disconnect=worker.close_session,
+                              protocol_error=lambda msg: m.encode(m.ErrorReply(ProtocolError.kind, msg)))
+        self.address = self._tcp.address
+
+    @property
+    def url(self) -> str:
+        return f"tcp://{self.address[0]}:{self.address[1]}"
+
+    def serve_forever(self) -> None:
+        self._tcp.serve_forever()
+
+    def shutdown(self) -> None:
+        self._tcp.shutdown()
+
+    # ------------------------------------------------------------------ dispatch
+    def handle(self, session: int, header: bytes, frames: list) -> tuple[bytes, list]:
+        """Decode one request, run it, encode the reply (errors included)."""
+        try:
+            try:
+                request = m.decode(header)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise ProtocolError(f"malformed request header: {exc}") from None
+            return self._dispatch(session, request, frames)
+        except RemoteError as exc:
+            return self._error(exc), []
+        except Exception as exc:  # a bug of ours must still be an answer, not a dead worker
+            log.exception("unexpected error while serving a request")
+            return m.encode(m.ErrorReply("worker", f"{type(exc).__name__}: {exc}",
+                                         traceback.format_exc())), []
+
+    def _dispatch(self, session: int, req, frames: list) -> tuple[bytes, list]:
+        if isinstance(req, m.RunGraph):
+            return self._run(session, req, frames)
+        if isinstance(req, m.PutTensors):
+            self.worker.put_tensors(session, req.ids, req.metas, frames)
+            return m.encode(m.Ok()), []
+        if isinstance(req, m.PutGraph):
+            self.worker.put_graph(session, req.graph_id, req.doc, req.consts, frames)
+            return m.encode(m.Ok()), []
+        if isinstance(req, m.Health):
+            return m.encode(m.HealthReply(protocol=m.PROTOCOL_VERSION, **self.worker.info())), []
+        if isinstance(req, m.Echo):
+            return m.encode(m.EchoReply()), frames
+        raise ProtocolError(f"{type(req).__name__} is not a request")
+
+    def _run(self, session: int, req: m.RunGraph, frames: list) -> tuple[bytes, list]:
+        args = []
+        for a in req.args:
+            if isinstance(a, m.RefArg):
+                args.append(("ref", a.id))
+            elif isinstance(a, m.ScalarArg):
+                args.append(a.value)
+            else:
+                args.append(self.worker.wire_tensor(a.meta, frames))
+        outs, ms, compiled = self.worker.run(session, req.graph_id, req.engine, args, frames)
+        out_args, out_frames = [], []
+        for o in outs:
+            if isinstance(o, torch.Tensor):
+                meta, buf = tensor_to_wire(o, len(out_frames))
+                out_args.append(m.TensorArg(meta))
+                out_frames.append(buf)
+            elif o is None or isinstance(o, (bool, int, float)):
+                out_args.append(m.ScalarArg(o))
+            else:
+                raise InvalidRequestError(f"graph returned a {type(o).__name__}, which cannot travel")
+        return m.encode(m.RunReply(out_args, ms, compiled)), out_frames
+
+    @staticmethod
+    def _error(exc: RemoteError) -> bytes:
+        graphs = getattr(exc, "graphs", [])
+        tensors = getattr(exc, "tensors", [])
+        return m.encode(m.ErrorReply(exc.kind, exc.message, exc.remote_traceback, graphs, tensors))

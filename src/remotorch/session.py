@@ -1,0 +1,248 @@
+"""The user-facing session: one worker, its upload cache, and the call policy.
+
+Policy lives here, each piece in its own method: upload-if-missing
+(:meth:`Session._ensure_graph`, :meth:`Session._resident_ids`), re-upload
+after the worker forgot (:meth:`Session.run_graph`), a short back-off after a
+worker failed to answer (:meth:`Session._request`). Only :meth:`_request`
+touches the transport.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import errors
+from .codec import messages as m
+from .codec.tensors import content_id, tensor_from_wire, tensor_to_wire
+from .config import from_env
+from .transport import TcpTransport, Transport
+
+if TYPE_CHECKING:
+    from .capture.remote import RemoteGraph
+
+log = logging.getLogger(__name__)
+
+
+class Session:
+    """A connection to one worker, with what has been uploaded to it.
+
+    ``url`` is ``tcp://host:port``; without it ``REMOTORCH_URL`` is used, and
+    without that an embedded worker process is started on 127.0.0.1 the
+    first time the session needs a worker. Creating a session never contacts
+    the worker, so a session for a worker that is down fails only when a call
+    needs it (and then falls back or raises, as the call's policy says).
+    """
+
+    def __init__(self, url: str | None = None, *, token: str | None = None, device: str = "auto",
+                 timeout: float | None = 300.0, connect_timeout: float = 5.0,
+                 transport: Transport | None = None, retry_after: float = 1.0) -> None:
+        env = from_env()
+        self.url = url or env.url
+        self.device = device
+        self._token = token if token is not None else env.token
+        self._timeout = timeout
+        self._connect_timeout = connect_timeout
+        self._transport = transport
+        self._embedded = None
+        self._lock = threading.RLock()
+        self._graphs_on_worker: set[str] = set()
+        self._tensors_on_worker: set[str] = set()
+        self._resident: dict[int, tuple] = {}
+        self._retry_after = retry_after
+        self._down_until = 0.0
+        self._closed = False
+        self._stats = dict(remote_calls=0, fallbacks=0, graphs_uploaded=0, tensors_uploaded=0,
+                           remote_ms=0.0)
+
+    # ------------------------------------------------------------------ lifetime
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection and stop the embedded worker if this session started one."""
+        with self._lock:
+            self._closed = True
+            if self._transport is not None:
+                self._transport.close()
+            if self._embedded is not None:
+                self._embedded.stop()
+                self._embedded = None
+
+    @property
+    def embedded(self) -> bool:
+        """True when this session runs its own loopback worker."""
+        return self.url is None and self._transport is None or self._embedded is not None
+
+    def _get_transport(self) -> Transport:
+        if self._closed:
+            raise errors.WorkerUnavailableError("session is closed")
+        if self._transport is None:
+            url, token = self.url, self._token
+            if url is None:
+                from .embedded import EmbeddedWorker
+                self._embedded = EmbeddedWorker(self.device)
+                url, token = self._embedded.url, self._embedded.token
+            self._transport = TcpTransport(url, token, protocol=m.PROTOCOL_VERSION,
+                                           connect_timeout=self._connect_timeout, timeout=self._timeout)
+        return self._transport
+
+    # ------------------------------------------------------------------ queries
+    def stats(self) -> dict:
+        """Counters since the session started (calls, fallbacks, uploads, bytes)."""
+        t = self._transport
+        return dict(self._stats, bytes_sent=t.bytes_sent if t else 0,
+                    bytes_received=t.bytes_received if t else 0)
+
+    def health(self) -> dict:
+        """Ask the worker who it is: name, device, torch version, engines."""
+        reply, _ = self._request(m.Health())
+        return {f: getattr(reply, f) for f in reply.__struct_fields__}
+
+    def echo(self, frames: Sequence) -> list:
+        """Send buffers to the worker and back (measures the transport alone)."""
+        _, out = self._request(m.Echo(), frames)
+        return out
+
+    def note_fallback(self) -> None:
+        with self._lock:
+            self._stats["fallbacks"] += 1
+
+    # ------------------------------------------------------------------ running
+    def run_graph(self, graph: RemoteGraph, args: Sequence) -> list:
+        """Run a captured graph on the worker; uploads what the worker lacks first."""
+        with self._lock:
+            for attempt in range(2):
+                try:
+                    self._ensure_graph(graph)
+                    run_args, frames = self._pack_args(graph, args)
+                    reply, out_frames = self._request(m.RunGraph(graph.graph_id, graph.engine, run_args), frames)
+                    break
+                except errors.MissingObjectsError as exc:  # worker restarted or forgot: upload again
+                    if attempt:
+                        raise
+                    self._graphs_on_worker.difference_update(exc.graphs)
+                    self._tensors_on_worker.difference_update(exc.tensors)
+            self._stats["remote_calls"] += 1
+            self._stats["remote_ms"] += reply.run_ms
+        return self._unpack(graph, reply, out_frames)
+
+    def _ensure_graph(self, graph: RemoteGraph) -> None:
+        if graph.graph_id in self._graphs_on_worker:
+            return
+        p = graph.payload
+        self._request(m.PutGraph(p.graph_id, p.doc, p.consts), p.const_frames)
+        self._graphs_on_worker.add(graph.graph_id)
+        self._stats["graphs_uploaded"] += 1
+
+    def _pack_args(self, graph: RemoteGraph, args: Sequence) -> tuple[list, list]:
+        run_args, frames = [], []
+        resident = dict(zip(graph.resident, self._resident_ids([args[i] for i in graph.resident])))
+        for i, a in enumerate(args):
+            if i in resident:
+                run_args.append(m.RefArg(resident[i]))
+            elif isinstance(a, torch.Tensor):
+                meta, buf = tensor_to_wire(a, len(frames))
+                run_args.append(m.TensorArg(meta))
+                frames.append(buf)
+            else:
+                run_args.append(m.ScalarArg(_scalar(a)))
+        return run_args, frames
+
+    def _resident_ids(self, tensors: list) -> list[str]:
+        """Content ids of resident tensors, uploading content the worker lacks.
+
+        A tensor is hashed again only when its version counter moved (an
+        in-place change), so warm calls cost one dict lookup per weight.
+        """
+        ids, uploads = [], []
+        for t in tensors:
+            entry = self._resident.get(id(t))
+            if entry is None or entry[0]() is not t or entry[1] != t._version:
+                meta, buf = tensor_to_wire(t, 0)
+                tid = content_id(meta, buf)
+                key = id(t)
+                self._resident[key] = (weakref.ref(t, lambda _, k=key: self._resident.pop(k, None)),
+                                       t._version, tid)
+            else:
+                tid = entry[2]
+            if tid not in self._tensors_on_worker and all(tid != u[0] for u in uploads):
+                uploads.append((tid, t))
+            ids.append(tid)
+        if uploads:
+            self._upload_tensors(uploads)
+        return ids
+
+    def _upload_tensors(self, uploads: list) -> None:
+        metas, frames = [], []
+        for _, t in uploads:
+            meta, buf = tensor_to_wire(t, len(frames))
+            metas.append(meta)
+            frames.append(buf)
+        self._request(m.PutTensors([u[0] for u in uploads], metas), frames)
+        self._tensors_on_worker.update(u[0] for u in uploads)
+        self._stats["tensors_uploaded"] += len(uploads)
+
+    @staticmethod
+    def _unpack(graph: RemoteGraph, reply: m.RunReply, frames: list) -> list:
+        outs = []
+        for arg, device in zip(reply.outputs, graph.output_devices):
+            if isinstance(arg, m.TensorArg):
+                t = tensor_from_wire(arg.meta, frames[arg.meta.frame])
+                outs.append(t if device is None or device.type == "cpu" else t.to(device))
+            elif isinstance(arg, m.ScalarArg):
+                outs.append(arg.value)
+            else:
+                raise errors.ProtocolError("worker answered a run with a tensor reference")
+        if len(outs) != len(graph.output_devices):
+            raise errors.ProtocolError("worker returned the wrong number of outputs")
+        return outs
+
+    def _request(self, body, frames: Sequence = ()):
+        """Send one request; the reply, or its error raised as a ``RemoteError``."""
+        if time.monotonic() < self._down_until:
+            raise errors.WorkerUnavailableError(f"worker {self.url or 'local'} failed moments ago; "
+                                                f"not retrying for {self._retry_after}s")
+        transport = self._get_transport()
+        try:
+            header, out = transport.request(m.encode(body), frames)
+        except errors.WorkerUnavailableError:
+            self._down_until = time.monotonic() + self._retry_after
+            raise
+        try:
+            reply = m.decode(header)
+        except Exception as exc:
+            raise errors.ProtocolError(f"unreadable reply from the worker: {exc}") from None
+        if isinstance(reply, m.ErrorReply):
+            raise errors.from_reply(reply.kind, reply.message, reply.traceback, reply.graphs, reply.tensors)
+        return reply, out
+
+
+def _scalar(a):
+    if a is None or isinstance(a, (bool, int, float)):
+        return a
+    if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return a.node.hint if hasattr(a.node, "hint") else int(a)
+    raise errors.UnsupportedGraphError(f"argument of type {type(a).__name__} cannot travel")
+
+
+_default: Session | None = None
+_default_lock = threading.Lock()
+
+
+def default_session() -> Session:
+    """The process-wide session used when none is given (created on first use)."""
+    global _default
+    with _default_lock:
+        if _default is None or _default._closed:
+            _default = Session()
+        return _default

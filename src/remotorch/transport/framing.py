@@ -1,0 +1,159 @@
+"""Length-prefixed, authenticated frames over a stream socket.
+
+Message on the wire::
+
+    prefix  = MAGIC(4) | seq u64 | nframes u32 | len u64 × nframes | mac(32)
+    payload = frame 0 (header) | frame 1 … (raw buffers, never copied)
+
+``mac = HMAC-SHA256(session_key, prefix-without-mac | frame 0)`` and ``seq``
+must increase by one per message and direction, so a replayed or reordered
+message is refused before anything is decoded. The session key comes from a
+mutual challenge–response on the shared token when the connection opens
+(see :func:`client_handshake`). Buffer frames are covered by their lengths
+in the MAC; see docs/protocol.md for what that does and does not protect.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+MAGIC = b"RMT1"
+HELLO = b"RMTH"
+_FIXED = struct.Struct("<4sQI")
+_HELLO = struct.Struct("<4sI32s")
+MAC_SIZE = 32
+MAX_FRAMES = 65_536
+_IOV_MAX = 512
+
+
+class FramingError(Exception):
+    """The peer broke the framing (bad magic, MAC, sequence or sizes)."""
+
+
+class AuthFailed(FramingError):
+    """The challenge–response on the token failed."""
+
+
+def _mac(key: bytes, *parts) -> bytes:
+    m = hmac.new(key, digestmod=hashlib.sha256)
+    for p in parts:
+        m.update(p)
+    return m.digest()
+
+
+def recv_exact(sock: socket.socket, n: int) -> np.ndarray:
+    """Receive exactly n bytes into a fresh writable buffer (no zero-fill, no copy)."""
+    buf = np.empty(n, dtype=np.uint8)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("connection closed by peer")
+        got += k
+    return buf
+
+
+def send_all(sock: socket.socket, buffers: Sequence) -> int:
+    """Scatter-gather send of every buffer (no joining copies); returns bytes sent."""
+    views = [memoryview(b).cast("B") for b in buffers if len(memoryview(b).cast("B"))]
+    total = sum(v.nbytes for v in views)
+    while views:
+        sent = sock.sendmsg(views[:_IOV_MAX])
+        while sent and views:
+            if sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+    return total
+
+
+class FramedChannel:
+    """One authenticated message stream over a connected socket."""
+
+    def __init__(self, sock: socket.socket, key: bytes, *, max_frame: int, max_header: int) -> None:
+        self.sock = sock
+        self._key = key
+        self._send_seq = 0
+        self._recv_seq = 0
+        self.max_frame = max_frame
+        self.max_header = max_header
+
+    def send(self, header: bytes, frames: Sequence = ()) -> int:
+        """Send header + frames as one message; returns bytes written."""
+        lengths = [len(header)] + [memoryview(f).nbytes for f in frames]
+        fixed = _FIXED.pack(MAGIC, self._send_seq, len(lengths)) + struct.pack(f"<{len(lengths)}Q", *lengths)
+        self._send_seq += 1
+        mac = _mac(self._key, fixed, header)
+        return send_all(self.sock, [fixed + mac, header, *frames])
+
+    def recv(self) -> tuple[bytes, list[np.ndarray], int]:
+        """Receive one message; verifies MAC and sequence before returning anything."""
+        fixed = recv_exact(self.sock, _FIXED.size).tobytes()
+        magic, seq, n = _FIXED.unpack(fixed)
+        if magic != MAGIC or not 1 <= n <= MAX_FRAMES:
+            raise FramingError("bad message prefix")
+        lens_raw = recv_exact(self.sock, 8 * n).tobytes()
+        lengths = struct.unpack(f"<{n}Q", lens_raw)
+        if lengths[0] > self.max_header or any(x > self.max_frame for x in lengths[1:]):
+            raise FramingError(f"message frame over the size limit ({max(lengths)} bytes)")
+        mac = recv_exact(self.sock, MAC_SIZE).tobytes()
+        header = recv_exact(self.sock, lengths[0]).tobytes()
+        if not hmac.compare_digest(mac, _mac(self._key, fixed, lens_raw, header)):
+            raise AuthFailed("message authentication failed")
+        if seq != self._recv_seq:
+            raise AuthFailed(f"message out of sequence (got {seq}, expected {self._recv_seq})")
+        self._recv_seq += 1
+        frames = [recv_exact(self.sock, k) for k in lengths[1:]]
+        return header, frames, _FIXED.size + len(lens_raw) + MAC_SIZE + sum(lengths)
+
+
+def _derive(token: bytes, cn: bytes, sn: bytes) -> tuple[bytes, bytes, bytes]:
+    return (_mac(token, b"server", cn, sn), _mac(token, b"client", cn, sn), _mac(token, b"session", cn, sn))
+
+
+def client_handshake(sock: socket.socket, token: bytes, version: int) -> bytes:
+    """Prove the token to the server and make it prove it back; returns the session key."""
+    cn = os.urandom(32)
+    sock.sendall(_HELLO.pack(HELLO, version, cn))
+    magic, sversion, sn = _HELLO.unpack(recv_exact(sock, _HELLO.size).tobytes())
+    if magic != HELLO:
+        raise FramingError("peer is not a remotorch worker")
+    if sversion != version:
+        raise FramingError(f"worker speaks protocol {sversion}, this client {version}")
+    server_proof = recv_exact(sock, MAC_SIZE).tobytes()
+    expect_server, client_proof, key = _derive(token, cn, sn)
+    if not hmac.compare_digest(server_proof, expect_server):
+        sock.sendall(b"\x00" * MAC_SIZE)
+        raise AuthFailed("the worker does not share this token")
+    sock.sendall(client_proof)
+    if recv_exact(sock, 1).tobytes() != b"\x01":
+        raise AuthFailed("the worker refused this token")
+    return key
+
+
+def server_handshake(sock: socket.socket, token: bytes, version: int) -> bytes:
+    """Server side of :func:`client_handshake`; raises AuthFailed on a bad proof."""
+    magic, cversion, cn = _HELLO.unpack(recv_exact(sock, _HELLO.size).tobytes())
+    if magic != HELLO:
+        raise FramingError("peer did not open with a remotorch hello")
+    sn = os.urandom(32)
+    server_proof, expect_client, key = _derive(token, cn, sn)
+    sock.sendall(_HELLO.pack(HELLO, version, sn) + server_proof)
+    if cversion != version:
+        raise FramingError(f"client speaks protocol {cversion}, this worker {version}")
+    client_proof = recv_exact(sock, MAC_SIZE).tobytes()
+    if not hmac.compare_digest(client_proof, expect_client):
+        sock.sendall(b"\x00")
+        raise AuthFailed("client failed the token challenge")
+    sock.sendall(b"\x01")
+    return key

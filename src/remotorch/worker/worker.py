@@ -1,0 +1,178 @@
+"""The worker proper: holds graphs and tensors for sessions and runs graphs on engines.
+
+It knows nothing of sockets: the server (``remotorch.server``) decodes
+messages and calls these methods; tests may call them in-process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from ..codec.graph import DecodedGraph, decode_graph, graph_id
+from ..codec.messages import TensorMeta
+from ..codec.tensors import content_id, dtype_from_name, tensor_from_wire
+from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsError,
+                      RemoteOutOfMemoryError, UnsupportedGraphError, WorkerError)
+from . import engines
+from .store import SharedStore
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(spec: str = "auto") -> torch.device:
+    """``auto`` picks CUDA when present, else CPU; ``cpu``/``cuda``/``cuda:N`` are taken as given."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("CUDA was asked for but this machine has none")
+    return device
+
+
+@dataclass
+class _Graph:
+    decoded: DecodedGraph
+    compiled: dict  # engine name -> callable
+    lock: threading.Lock
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size limits a worker enforces on every request."""
+
+    max_tensor_bytes: int = 1 << 36
+    max_graph_bytes: int = 256 << 20
+
+
+class Worker:
+    """Graph cache + tensor store + engines for one device."""
+
+    def __init__(self, device: str | torch.device = "auto", *, name: str = "worker",
+                 limits: Limits = Limits()) -> None:
+        self.device = device if isinstance(device, torch.device) else resolve_device(device)
+        self.name = name
+        self.limits = limits
+        self.engines = engines.available(self.device)
+        self._graphs = SharedStore()
+        self._tensors = SharedStore()
+
+    # ------------------------------------------------------------------ sessions
+    def close_session(self, session: object) -> None:
+        """Release everything a session held (objects no one else holds are freed)."""
+        self._graphs.drop_session(session)
+        self._tensors.drop_session(session)
+
+    def info(self) -> dict:
+        return {"name": self.name, "device": str(self.device), "torch_version": str(torch.__version__),
+                "engines": list(self.engines), "sessions": self._tensors.sessions(),
+                "resident_bytes": self._tensors.total_bytes}
+
+    # ------------------------------------------------------------------- uploads
+    def put_graph(self, session: object, gid: str, doc: bytes, consts: list[TensorMeta], frames) -> None:
+        """Store a graph document after checking its id is its content hash and it decodes."""
+        if len(doc) + sum(f.nbytes for f in frames) > self.limits.max_graph_bytes:
+            raise LimitExceededError(f"graph of {len(doc)} bytes is over the worker's limit")
+        if len(consts) != len(frames):
+            raise InvalidRequestError("graph constants and frames disagree")
+        if graph_id(doc, consts, frames) != gid:
+            raise InvalidRequestError("graph id does not match its content")
+        if self._graphs.missing(session, [gid]):
+            tensors = [self.wire_tensor(m, frames) for m in consts]
+            decoded = decode_graph(doc, tensors, self.device)
+            self._graphs.put(session, gid, _Graph(decoded, {}, threading.Lock()), len(doc))
+
+    def put_tensors(self, session: object, ids: list[str], metas: list[TensorMeta], frames) -> None:
+        """Store resident tensors under their content ids (verified, then moved to the device)."""
+        if len(ids) != len(metas):
+            raise InvalidRequestError("tensor ids and metas disagree")
+        for tid, meta in zip(ids, metas):
+            if not 0 <= meta.frame < len(frames):
+                raise InvalidRequestError("tensor names a frame the message does not have")
+            if content_id(meta, memoryview(frames[meta.frame])) != tid:
+                raise InvalidRequestError(f"tensor id {tid[:16]}… does not match its content")
+            tensor = self.wire_tensor(meta, frames).to(self.device)
+            self._tensors.put(session, tid, tensor, tensor.numel() * tensor.element_size())
+
+    def wire_tensor(self, meta: TensorMeta, frames) -> torch.Tensor:
+        if not 0 <= meta.frame < len(frames):
+            raise InvalidRequestError("tensor names a frame the message does not have")
+        if frames[meta.frame].nbytes > self.limits.max_tensor_bytes:
+            raise LimitExceededError(f"tensor of {frames[meta.frame].nbytes} bytes is over the worker's limit")
+        try:
+            return tensor_from_wire(meta, frames[meta.frame])
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+
+    # ----------------------------------------------------------------------- run
+    def run(self, session: object, gid: str, engine: str, args: list, frames) -> tuple[list, float, bool]:
+        """Run a graph; ``args`` are tensors/scalars or ``("ref", id)``. Returns (outputs, ms, compiled)."""
+        missing_t = self._tensors.missing(session, [a[1] for a in args if isinstance(a, tuple)])
+        missing_g = self._graphs.missing(session, [gid])
+        if missing_t or missing_g:
+            raise MissingObjectsError("worker does not hold these objects for this session",
+                                      graphs=missing_g, tensors=missing_t)
+        graph: _Graph = self._graphs.get(session, gid)
+        values = [self._tensors.get(session, a[1]) if isinstance(a, tuple) else a for a in args]
+        values = [v.to(self.device) if isinstance(v, torch.Tensor) and v.device != self.device else v
+                  for v in values]
+        self._check_args(graph.decoded, values)
+        fn, compiled = self._compiled(graph, engine, values)
+        try:
+            with torch.no_grad():
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                start = time.perf_counter()
+                out = fn(*values)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                ms = (time.perf_counter() - start) * 1e3
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            raise RemoteOutOfMemoryError(f"out of memory running graph: {exc}",
+                                         remote_traceback=traceback.format_exc()) from None
+        except Exception as exc:
+            raise WorkerError(f"graph failed on {engine}: {type(exc).__name__}: {exc}",
+                              remote_traceback=traceback.format_exc()) from None
+        outs = list(out) if isinstance(out, (list, tuple)) else [out]
+        return outs, ms, compiled
+
+    def _compiled(self, graph: _Graph, engine: str, values: list):
+        fn = graph.compiled.get(engine)
+        if fn is not None:
+            return fn, False
+        if engine not in self.engines:
+            raise UnsupportedGraphError(f"engine {engine!r} is not available on worker {self.name} "
+                                        f"(has {', '.join(self.engines)})")
+        with graph.lock:
+            fn = graph.compiled.get(engine)
+            if fn is not None:
+                return fn, False
+            try:
+                fn = engines.load(engine).compile(graph.decoded, self.device, values)
+            except Exception as exc:
+                raise UnsupportedGraphError(f"engine {engine} could not compile the graph: "
+                                            f"{type(exc).__name__}: {exc}",
+                                            remote_traceback=traceback.format_exc()) from None
+            graph.compiled[engine] = fn
+            return fn, True
+
+    @staticmethod
+    def _check_args(graph: DecodedGraph, values: list) -> None:
+        if len(values) != len(graph.inputs):
+            raise InvalidRequestError(f"graph takes {len(graph.inputs)} arguments, got {len(values)}")
+        for i, (meta, v) in enumerate(zip(graph.inputs, values)):
+            if meta.get("kind") == "tensor":
+                if not isinstance(v, torch.Tensor):
+                    raise InvalidRequestError(f"argument {i} must be a tensor")
+                shape = meta.get("shape") or []
+                if v.dtype != dtype_from_name(str(meta.get("dtype"))) or v.dim() != len(shape) or any(
+                        isinstance(d, int) and d != n for d, n in zip(shape, v.shape)):
+                    raise InvalidRequestError(
+                        f"argument {i}: expected {meta.get('dtype')}{shape}, got {v.dtype}{list(v.shape)}")
+            elif meta.get("kind") == "scalar" and isinstance(v, torch.Tensor):
+                raise InvalidRequestError(f"argument {i} must be a scalar")
