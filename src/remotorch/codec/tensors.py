@@ -28,6 +28,7 @@ _DTYPES: dict[str, torch.dtype] = {
     }.items() if dt is not None
 }
 _NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
+_ITEMSIZE: dict[torch.dtype, int] = {dt: torch.empty((), dtype=dt).element_size() for dt in _NAMES}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -96,7 +97,7 @@ def tensor_from_wire(meta: TensorMeta, buf) -> torch.Tensor:
         raise ValueError("tensor meta: shape and strides disagree")
     if any((not isinstance(x, int)) or x < 0 for x in shape + strides):
         raise ValueError("tensor meta: negative size or stride")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _ITEMSIZE[dtype]
     arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
     numel = 1
     for n in shape:

@@ -31,6 +31,8 @@ _HELLO = struct.Struct("<4sI32s")
 MAC_SIZE = 32
 MAX_FRAMES = 65_536
 _IOV_MAX = 512
+_READ_BUFFER = 1 << 18
+_COALESCE = 1 << 16  # below this, one joined send beats scatter-gather
 
 
 class FramingError(Exception):
@@ -78,7 +80,11 @@ def send_all(sock: socket.socket, buffers: Sequence) -> int:
 
 
 class FramedChannel:
-    """One authenticated message stream over a connected socket."""
+    """One authenticated message stream over a connected socket.
+
+    Small messages are read through one reusable buffer (about one syscall a
+    message); large frames are received straight into their own buffers.
+    """
 
     def __init__(self, sock: socket.socket, key: bytes, *, max_frame: int, max_header: int) -> None:
         self.sock = sock
@@ -87,33 +93,87 @@ class FramedChannel:
         self._recv_seq = 0
         self.max_frame = max_frame
         self.max_header = max_header
+        self._buf = bytearray(_READ_BUFFER)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
 
     def send(self, header: bytes, frames: Sequence = ()) -> int:
         """Send header + frames as one message; returns bytes written."""
+        n = 1 + len(frames)
         lengths = [len(header)] + [memoryview(f).nbytes for f in frames]
-        fixed = _FIXED.pack(MAGIC, self._send_seq, len(lengths)) + struct.pack(f"<{len(lengths)}Q", *lengths)
+        prefix = _FIXED.pack(MAGIC, self._send_seq, n) + struct.pack(f"<{n}Q", *lengths)
         self._send_seq += 1
-        mac = _mac(self._key, fixed, header)
-        return send_all(self.sock, [fixed + mac, header, *frames])
+        mac = _mac(self._key, prefix, header)
+        if n == 1 or sum(lengths) < _COALESCE:
+            data = b"".join([prefix, mac, header, *frames])
+            self.sock.sendall(data)
+            return len(data)
+        return send_all(self.sock, [prefix + mac, header, *frames])
+
+    def _fill(self, need: int) -> None:
+        """Make at least ``need`` bytes available in the read buffer."""
+        if self._end - self._start >= need:
+            return
+        if need > len(self._buf) - self._start:
+            rest = self._end - self._start
+            if need > len(self._buf):
+                grown = bytearray(need)
+                grown[:rest] = self._view[self._start:self._end]
+                self._buf, self._view = grown, memoryview(grown)
+            else:
+                self._view[:rest] = self._view[self._start:self._end]
+            self._start, self._end = 0, rest
+        while self._end - self._start < need:
+            k = self.sock.recv_into(self._view[self._end:])
+            if k == 0:
+                raise ConnectionError("connection closed by peer")
+            self._end += k
+
+    def _take(self, n: int) -> bytes:
+        self._fill(n)
+        out = bytes(self._view[self._start:self._start + n])
+        self._start += n
+        return out
+
+    def _take_frame(self, n: int) -> np.ndarray:
+        buf = np.empty(n, dtype=np.uint8)
+        have = min(n, self._end - self._start)
+        if have:
+            buf[:have] = np.frombuffer(self._view[self._start:self._start + have], dtype=np.uint8)
+            self._start += have
+        if have < n:
+            if n - have < _READ_BUFFER // 2:
+                self._fill(n - have)
+                buf[have:] = np.frombuffer(self._view[self._start:self._start + n - have], dtype=np.uint8)
+                self._start += n - have
+            else:
+                view, got = memoryview(buf), have
+                while got < n:
+                    k = self.sock.recv_into(view[got:], n - got)
+                    if k == 0:
+                        raise ConnectionError("connection closed by peer")
+                    got += k
+        return buf
 
     def recv(self) -> tuple[bytes, list[np.ndarray], int]:
         """Receive one message; verifies MAC and sequence before returning anything."""
-        fixed = recv_exact(self.sock, _FIXED.size).tobytes()
+        fixed = self._take(_FIXED.size)
         magic, seq, n = _FIXED.unpack(fixed)
         if magic != MAGIC or not 1 <= n <= MAX_FRAMES:
             raise FramingError("bad message prefix")
-        lens_raw = recv_exact(self.sock, 8 * n).tobytes()
+        lens_raw = self._take(8 * n)
         lengths = struct.unpack(f"<{n}Q", lens_raw)
         if lengths[0] > self.max_header or any(x > self.max_frame for x in lengths[1:]):
             raise FramingError(f"message frame over the size limit ({max(lengths)} bytes)")
-        mac = recv_exact(self.sock, MAC_SIZE).tobytes()
-        header = recv_exact(self.sock, lengths[0]).tobytes()
+        mac = self._take(MAC_SIZE)
+        header = self._take(lengths[0])
         if not hmac.compare_digest(mac, _mac(self._key, fixed, lens_raw, header)):
             raise AuthFailed("message authentication failed")
         if seq != self._recv_seq:
             raise AuthFailed(f"message out of sequence (got {seq}, expected {self._recv_seq})")
         self._recv_seq += 1
-        frames = [recv_exact(self.sock, k) for k in lengths[1:]]
+        frames = [self._take_frame(k) for k in lengths[1:]]
         return header, frames, _FIXED.size + len(lens_raw) + MAC_SIZE + sum(lengths)
 
 

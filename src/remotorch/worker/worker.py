@@ -38,8 +38,21 @@ def resolve_device(spec: str = "auto") -> torch.device:
 @dataclass
 class _Graph:
     decoded: DecodedGraph
+    checks: list  # per argument: None (anything), "scalar", or (dtype, rank, {dim: size})
     compiled: dict  # engine name -> callable
     lock: threading.Lock
+
+    @classmethod
+    def build(cls, decoded: DecodedGraph) -> _Graph:
+        checks = []
+        for meta in decoded.inputs:
+            if meta.get("kind") == "tensor":
+                shape = list(meta.get("shape") or [])
+                fixed = {i: d for i, d in enumerate(shape) if isinstance(d, int)}
+                checks.append((dtype_from_name(str(meta.get("dtype"))), len(shape), fixed))
+            else:
+                checks.append("scalar" if meta.get("kind") == "scalar" else None)
+        return cls(decoded, checks, {}, threading.Lock())
 
 
 @dataclass(frozen=True)
@@ -85,7 +98,7 @@ class Worker:
         if self._graphs.missing(session, [gid]):
             tensors = [self.wire_tensor(m, frames) for m in consts]
             decoded = decode_graph(doc, tensors, self.device)
-            self._graphs.put(session, gid, _Graph(decoded, {}, threading.Lock()), len(doc))
+            self._graphs.put(session, gid, _Graph.build(decoded), len(doc))
 
     def put_tensors(self, session: object, ids: list[str], metas: list[TensorMeta], frames) -> None:
         """Store resident tensors under their content ids (verified, then moved to the device)."""
@@ -121,7 +134,7 @@ class Worker:
         values = [self._tensors.get(session, a[1]) if isinstance(a, tuple) else a for a in args]
         values = [v.to(self.device) if isinstance(v, torch.Tensor) and v.device != self.device else v
                   for v in values]
-        self._check_args(graph.decoded, values)
+        self._check_args(graph, values)
         fn, compiled = self._compiled(graph, engine, values)
         try:
             with torch.no_grad():
@@ -162,17 +175,19 @@ class Worker:
             return fn, True
 
     @staticmethod
-    def _check_args(graph: DecodedGraph, values: list) -> None:
-        if len(values) != len(graph.inputs):
-            raise InvalidRequestError(f"graph takes {len(graph.inputs)} arguments, got {len(values)}")
-        for i, (meta, v) in enumerate(zip(graph.inputs, values)):
-            if meta.get("kind") == "tensor":
-                if not isinstance(v, torch.Tensor):
-                    raise InvalidRequestError(f"argument {i} must be a tensor")
-                shape = meta.get("shape") or []
-                if v.dtype != dtype_from_name(str(meta.get("dtype"))) or v.dim() != len(shape) or any(
-                        isinstance(d, int) and d != n for d, n in zip(shape, v.shape)):
-                    raise InvalidRequestError(
-                        f"argument {i}: expected {meta.get('dtype')}{shape}, got {v.dtype}{list(v.shape)}")
-            elif meta.get("kind") == "scalar" and isinstance(v, torch.Tensor):
-                raise InvalidRequestError(f"argument {i} must be a scalar")
+    def _check_args(graph: _Graph, values: list) -> None:
+        if len(values) != len(graph.checks):
+            raise InvalidRequestError(f"graph takes {len(graph.checks)} arguments, got {len(values)}")
+        for i, (check, v) in enumerate(zip(graph.checks, values)):
+            if check is None:
+                continue
+            if check == "scalar":
+                if isinstance(v, torch.Tensor):
+                    raise InvalidRequestError(f"argument {i} must be a scalar")
+                continue
+            dtype, rank, fixed = check
+            if not isinstance(v, torch.Tensor):
+                raise InvalidRequestError(f"argument {i} must be a tensor")
+            if v.dtype != dtype or v.dim() != rank or any(v.shape[d] != n for d, n in fixed.items()):
+                raise InvalidRequestError(f"argument {i}: expected {dtype} of rank {rank} with sizes "
+                                          f"{fixed}, got {v.dtype}{list(v.shape)}")
