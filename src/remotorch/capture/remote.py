@@ -26,11 +26,12 @@ FALLBACKS = ("local", "raise")
 class RemoteGraph:
     """One uploaded-once graph, its resident arguments, and its fallback."""
 
-    _boxed_call = True
-
     def __init__(self, payload: GraphPayload | None, *, session_getter: Callable, engine: str,
                  fallback: str, resident: list[int], output_devices: list, local: Callable,
                  unsupported: RemoteError | None = None) -> None:
+        # Instance attribute, not class: dynamo wraps backward graphs with
+        # functools.wraps, which copies __dict__ and so keeps the boxed convention.
+        self._boxed_call = True
         self.payload = payload
         self.graph_id = payload.graph_id if payload else ""
         self.engine = engine
@@ -42,7 +43,11 @@ class RemoteGraph:
         self._unsupported = unsupported
         self._warned = False
 
-    def __call__(self, args: list) -> list:
+    def __call__(self, *args) -> list:
+        # Boxed (one list) or unboxed (aot wraps backward graphs): graph
+        # arguments are never lists themselves, so the two cannot be confused.
+        if len(args) == 1 and isinstance(args[0], list):
+            args = args[0]
         session = self._session_getter()
         if self._unsupported is not None:
             return self._fall_back(session, args, self._unsupported)

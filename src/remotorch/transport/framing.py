@@ -15,7 +15,6 @@ in the MAC; see docs/protocol.md for what that does and does not protect.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import socket
@@ -44,10 +43,7 @@ class AuthFailed(FramingError):
 
 
 def _mac(key: bytes, *parts) -> bytes:
-    m = hmac.new(key, digestmod=hashlib.sha256)
-    for p in parts:
-        m.update(p)
-    return m.digest()
+    return hmac.digest(key, b"".join(parts), "sha256")
 
 
 def recv_exact(sock: socket.socket, n: int) -> np.ndarray:
