@@ -80,8 +80,8 @@ class Session:
 
     @property
     def embedded(self) -> bool:
-        """True when this session runs its own loopback worker."""
-        return self.url is None and self._transport is None or self._embedded is not None
+        """True when this session uses (or will start) its own loopback worker."""
+        return self.url is None
 
     def _get_transport(self) -> Transport:
         if self._closed:
@@ -230,8 +230,6 @@ class Session:
 def _scalar(a):
     if a is None or isinstance(a, (bool, int, float)):
         return a
-    if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return a.node.hint if hasattr(a.node, "hint") else int(a)
     raise errors.UnsupportedGraphError(f"argument of type {type(a).__name__} cannot travel")
 
 
