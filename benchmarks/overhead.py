@@ -1,0 +1,500 @@
+"""How much does running a graph on a remotorch worker cost over the wire itself?
+
+Everything below is measured in one run on this machine, and every ratio is
+computed from figures of that same run:
+
+1. Raw TCP: a 64-byte round trip between two processes over plain sockets
+   (TCP_NODELAY, ``sendall`` + ``recv_into`` a reused buffer). This is the
+   floor any transport on this machine pays.
+2. pyzmq REQ/REP: the same 64-byte round trip. The design named ZeroMQ as the
+   first choice; this figure shows what it would have cost per call compared
+   with the plain-socket transport remotorch uses.
+3. The tiny MLP (``remotorch.models.mlp()``, batch 32×784, no grad): local
+   eager vs ``remotorch.compile(..., fallback="raise")`` on a real
+   ``remotorch serve`` worker subprocess. Local and remote calls are timed one
+   by one in interleaved rounds, so machine noise hits both alike. Two
+   intermediate rows split the remote call: ``session.echo`` of 64 bytes (the
+   remotorch framing, HMAC, msgpack and the worker's connection thread) and
+   ``session.run_graph`` called directly (everything except dynamo's guards
+   and the aot_autograd wrapper). The worker's own graph time comes from
+   ``session.stats()["remote_ms"]``. A raw TCP echo of the MLP input's size
+   shows what moving those bytes costs by itself.
+
+   When the worker is spawned here, this process and the worker each get half
+   the CPUs' intra-op threads (``--threads``): two processes that each start
+   a full OpenMP team on the same cores oversubscribe them, and the small
+   MLP then takes tens of milliseconds instead of about a hundred microseconds.
+4. Overhead ratio = (remote median - local median) / raw TCP median; target <= 1.5.
+5. Bytes on the wire per warm MLP call vs the input + output tensor bytes;
+   target <= inputs + outputs + 1 KiB.
+6. Bulk: a 256 MB float32 tensor sent to the worker and back with
+   ``session.echo`` vs the same over raw TCP into a reused buffer;
+   GB/s = 2 x size / time, best and median of 3; target remotorch/raw >= 0.8
+   (judged on the best run, the least disturbed by other load). For
+   information, the same through pyzmq REQ/REP with ``copy=False`` (the
+   figure behind docs/protocol.md section 16), and a 256 MB ``x + 1`` graph
+   run remotely vs locally.
+
+Usage::
+
+    python benchmarks/overhead.py [--device cpu|cuda] [--url tcp://h:p --token T]
+                                  [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import zmq
+
+import remotorch
+from remotorch import models
+
+OVERHEAD_TARGET = 1.5
+WIRE_SLACK_BYTES = 1024
+BULK_TARGET = 0.8
+MSG = b"x" * 64
+
+# A raw-socket echo server: each connection first says its message size (u64),
+# then every message of that size is received into one reused buffer and sent back.
+RAW_ECHO_SERVER = r"""
+import os, socket, struct, sys, threading
+threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
+
+def fill(conn, view, n):
+    got = 0
+    while got < n:
+        k = conn.recv_into(view[got:], n - got)
+        if not k:
+            return False
+        got += k
+    return True
+
+def serve(conn):
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    head = bytearray(8)
+    if not fill(conn, memoryview(head), 8):
+        return
+    n = struct.unpack("<Q", head)[0]
+    view = memoryview(bytearray(n))
+    while fill(conn, view, n):
+        conn.sendall(view)
+
+srv = socket.create_server(("127.0.0.1", 0))
+print(srv.getsockname()[1], flush=True)
+while True:
+    c, _ = srv.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+ZMQ_ECHO_SERVER = r"""
+import os, sys, threading, zmq
+threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
+sock = zmq.Context().socket(zmq.REP)
+port = sock.bind_to_random_port("tcp://127.0.0.1")
+print(port, flush=True)
+while True:
+    sock.send(sock.recv(copy=False), copy=False)
+"""
+
+
+# ---------------------------------------------------------------------------- processes
+class Child:
+    """A helper subprocess that prints one ready line; it exits when we close its stdin."""
+
+    def __init__(self, cmd: list[str], ready: Callable[[str], str | None], timeout: float = 120.0,
+                 env: dict | None = None):
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env)
+        self.stderr: list[str] = []
+        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+        found: list[str] = []
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                value = ready(line)
+                if value is not None:
+                    found.append(value)
+                    break
+            for _ in self.proc.stdout:  # keep draining so the child never blocks
+                pass
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not found and time.monotonic() < deadline and self.proc.poll() is None:
+            time.sleep(0.01)
+        if not found:
+            self.stop()
+            raise RuntimeError(f"{cmd[:4]} did not start:\n{''.join(self.stderr)}")
+        self.value = found[0]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def python_child(source: str) -> Child:
+    return Child([sys.executable, "-c", source], ready=lambda line: line.strip() or None)
+
+
+def worker_child(device: str, token: str, threads: int) -> Child:
+    """A real ``remotorch serve`` on a free loopback port, with ``threads`` intra-op threads."""
+    prefix = "remotorch: serving on "
+    cmd = [sys.executable, "-m", "remotorch", "serve", "--host", "127.0.0.1", "--port", "0",
+           "--token", token, "--device", device, "--name", "bench", "--exit-on-stdin-close"]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return Child(cmd, ready=lambda line: line[len(prefix):].strip() if line.startswith(prefix) else None,
+                 env=env)
+
+
+# ------------------------------------------------------------------------------ clients
+class RawClient:
+    """One TCP connection to the raw echo server, for messages of one size."""
+
+    def __init__(self, port: int, size: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.sendall(size.to_bytes(8, "little"))
+        self.buf = np.ones(size, dtype=np.uint8)  # touched now: no page faults while timing
+        self.view = memoryview(self.buf)
+        self.size = size
+
+    def roundtrip(self, payload) -> None:
+        self.sock.sendall(payload)
+        got, n, view = 0, self.size, self.view
+        while got < n:
+            k = self.sock.recv_into(view[got:], n - got)
+            if not k:
+                raise ConnectionError("echo server closed the connection")
+            got += k
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class ZmqClient:
+    """A REQ socket to the pyzmq echo server."""
+
+    def __init__(self, port: int) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.REQ)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def roundtrip(self, payload: bytes) -> None:
+        self.sock.send(payload)
+        self.sock.recv()
+
+    def roundtrip_bulk(self, payload) -> int:
+        """Zero-copy send and receive (``copy=False``), as the design doc measured it."""
+        self.sock.send(payload, copy=False)
+        return len(self.sock.recv(copy=False).buffer)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+# ---------------------------------------------------------------------------- timing
+def summary(samples_ns: list[int]) -> dict:
+    """Median and p99 of per-call samples, in microseconds."""
+    s = sorted(samples_ns)
+    p99 = s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))]
+    return {"median_us": statistics.median(s) / 1e3, "p99_us": p99 / 1e3, "n": len(s)}
+
+
+def interleaved(probes: dict[str, Callable[[], object]], rounds: int, per_round: int,
+                warmup: int) -> dict[str, dict]:
+    """Time each probe call by call, in rounds that rotate the probe order."""
+    for fn in probes.values():
+        for _ in range(warmup):
+            fn()
+    names = list(probes)
+    samples: dict[str, list[int]] = {n: [] for n in names}
+    clock = time.perf_counter_ns
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            fn, out = probes[name], samples[name]
+            for _ in range(per_round):
+                t0 = clock()
+                fn()
+                out.append(clock() - t0)
+    return {n: summary(samples[n]) for n in names}
+
+
+def capture_run_graph_call(session: remotorch.Session, compiled, x) -> tuple:
+    """(graph, flat args) of one compiled call, seen by shadowing run_graph on this instance."""
+    seen = []
+    original = session.run_graph
+
+    def spy(graph, args):
+        seen.append((graph, list(args)))
+        return original(graph, args)
+    session.run_graph = spy
+    try:
+        compiled(x)
+    finally:
+        del session.run_graph
+    if len(seen) != 1:
+        raise RuntimeError(f"expected one graph per MLP call, saw {len(seen)}")
+    return seen[0]
+
+
+# ------------------------------------------------------------------------ measurements
+def measure_latency(session, raw_port: int, zmq_port: int, quick: bool) -> dict:
+    """Rows 1-3: raw TCP, pyzmq, remotorch echo, run_graph, MLP local vs remote."""
+    torch.manual_seed(0)
+    model = models.mlp().eval()
+    x = torch.randn(32, 784)
+    compiled = remotorch.compile(model, session=session, fallback="raise")
+    x_bytes = x.numpy().tobytes()
+    raw, raw_x, zq = RawClient(raw_port, len(MSG)), RawClient(raw_port, len(x_bytes)), ZmqClient(zmq_port)
+    try:
+        with torch.no_grad():
+            expected = model(x)
+            torch.testing.assert_close(compiled(x), expected)
+            graph, args = capture_run_graph_call(session, compiled, x)
+            probes = {
+                "raw_tcp_64B": lambda: raw.roundtrip(MSG),
+                "raw_tcp_input_size": lambda: raw_x.roundtrip(x_bytes),
+                "zmq_reqrep_64B": lambda: zq.roundtrip(MSG),
+                "remotorch_echo_64B": lambda: session.echo([MSG]),
+                "session_run_graph": lambda: session.run_graph(graph, args),
+                "mlp_local": lambda: model(x),
+                "mlp_remote": lambda: compiled(x),
+            }
+            before = session.stats()
+            rows = interleaved(probes, rounds=10 if quick else 40, per_round=50, warmup=50 if quick else 200)
+            after = session.stats()
+            calls = after["remote_calls"] - before["remote_calls"]
+            rows["worker_graph_mean_us"] = (after["remote_ms"] - before["remote_ms"]) / calls * 1e3
+            rows["wire"] = wire_bytes(session, compiled, x, expected, n=200)
+    finally:
+        for client in (raw, raw_x, zq):
+            client.close()
+    return rows
+
+
+def wire_bytes(session, compiled, x, expected, n: int) -> dict:
+    """Bytes sent + received per warm compiled call, against the tensors' own bytes."""
+    out_bytes = expected.numel() * expected.element_size()
+    in_bytes = x.numel() * x.element_size()
+    before = session.stats()
+    for _ in range(n):
+        compiled(x)
+    after = session.stats()
+    sent = (after["bytes_sent"] - before["bytes_sent"]) / n
+    received = (after["bytes_received"] - before["bytes_received"]) / n
+    return {"sent_per_call": sent, "received_per_call": received, "input_bytes": in_bytes,
+            "output_bytes": out_bytes, "overhead_bytes": sent + received - in_bytes - out_bytes}
+
+
+def time_once(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter_ns()
+    fn()
+    return (time.perf_counter_ns() - t0) / 1e9
+
+
+def measure_bulk(session, raw_port: int, zmq_port: int, size_mb: int, repeats: int) -> dict:
+    """Row 6: a large tensor through session.echo, raw TCP and pyzmq (and a remote x + 1)."""
+    t = torch.rand(size_mb * (1 << 20) // 4)
+    view = memoryview(t.numpy()).cast("B")
+    raw, zq = RawClient(raw_port, view.nbytes), ZmqClient(zmq_port)
+    add_one = remotorch.compile(lambda v: v + 1, session=session, fallback="raise")
+    try:
+        with torch.no_grad():
+            check_bulk_paths(session, raw, zq, add_one, t, view)
+            probes = {"raw_tcp": lambda: raw.roundtrip(view),
+                      "remotorch_echo": lambda: session.echo([view]),
+                      "zmq_reqrep": lambda: zq.roundtrip_bulk(view),
+                      "graph_remote": lambda: add_one(t),
+                      "graph_local": lambda: t + 1}
+            times: dict[str, list[float]] = {name: [] for name in probes}
+            for r in range(repeats):
+                for name in list(probes)[r % len(probes):] + list(probes)[:r % len(probes)]:
+                    times[name].append(time_once(probes[name]))
+    finally:
+        raw.close()
+        zq.close()
+    moved = 2 * view.nbytes
+    return {name: {"best_s": min(ts), "median_s": statistics.median(ts),
+                   "best_gbps": moved / min(ts) / 1e9, "median_gbps": moved / statistics.median(ts) / 1e9}
+            for name, ts in times.items()} | {"bytes": view.nbytes, "repeats": repeats}
+
+
+def check_bulk_paths(session, raw: RawClient, zq: ZmqClient, add_one, t, view) -> None:
+    """One untimed round trip on every path (warm-up), checking what comes back."""
+    raw.roundtrip(view)
+    assert np.array_equal(raw.buf, np.asarray(view))
+    echoed = session.echo([view])[0]
+    assert echoed.nbytes == view.nbytes and np.array_equal(echoed, np.asarray(view))
+    del echoed
+    assert zq.roundtrip_bulk(view) == view.nbytes
+    torch.testing.assert_close(add_one(t), t + 1)
+
+
+# ------------------------------------------------------------------------------ report
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def print_latency(lat: dict) -> dict:
+    labels = {
+        "raw_tcp_64B": "raw TCP 64 B round trip (2 processes)",
+        "raw_tcp_input_size": "raw TCP 98 KiB echo (MLP input, both ways)",
+        "zmq_reqrep_64B": "pyzmq REQ/REP 64 B round trip",
+        "remotorch_echo_64B": "remotorch session.echo 64 B",
+        "session_run_graph": "remotorch session.run_graph (MLP, no dynamo)",
+        "mlp_local": "MLP local eager",
+        "mlp_remote": "MLP remote (remotorch.compile)",
+    }
+    n = lat["mlp_remote"]["n"]
+    print(f"\nLatency: calls timed one by one in interleaved rounds, {n} samples each")
+    print(f"  {'':46s} {'median µs':>10s} {'p99 µs':>10s}")
+    for key, label in labels.items():
+        print(f"  {label:46s} {lat[key]['median_us']:10.1f} {lat[key]['p99_us']:10.1f}")
+    print(f"  {'worker-side graph run (mean, from stats)':46s} {lat['worker_graph_mean_us']:10.1f}")
+    raw = lat["raw_tcp_64B"]["median_us"]
+    ratio = (lat["mlp_remote"]["median_us"] - lat["mlp_local"]["median_us"]) / raw
+    print(f"\n  median vs raw TCP 64 B: pyzmq {lat['zmq_reqrep_64B']['median_us'] / raw:.2f}x, "
+          f"remotorch echo {lat['remotorch_echo_64B']['median_us'] / raw:.2f}x")
+    print("  split of the remote MLP call's median (differences of medians):")
+    steps = [("raw TCP 64 B round trip", raw),
+             ("+ framing, msgpack, worker threads (echo - raw)", lat["remotorch_echo_64B"]["median_us"] - raw),
+             ("+ tensors in/out, worker run (run_graph - echo)", lat["session_run_graph"]["median_us"]
+              - lat["remotorch_echo_64B"]["median_us"]),
+             ("+ dynamo guards, aot wrapper (remote - run_graph)", lat["mlp_remote"]["median_us"]
+              - lat["session_run_graph"]["median_us"])]
+    for label, us in steps:
+        print(f"    {label:50s} {us:8.1f} µs")
+    extra = lat["mlp_remote"]["median_us"] - lat["mlp_local"]["median_us"]
+    print(f"\n  overhead ratio (remote - local) / raw TCP = {extra:.1f} / {raw:.1f} = {ratio:.2f}  "
+          f"(target <= {OVERHEAD_TARGET})  {verdict(ratio <= OVERHEAD_TARGET)}")
+    return {"overhead_ratio": ratio, "overhead_pass": ratio <= OVERHEAD_TARGET}
+
+
+def print_wire(wire: dict) -> dict:
+    tensors = wire["input_bytes"] + wire["output_bytes"]
+    total = wire["sent_per_call"] + wire["received_per_call"]
+    ok = total <= tensors + WIRE_SLACK_BYTES
+    print(f"\nWire bytes per warm MLP call: sent {wire['sent_per_call']:.0f} + received "
+          f"{wire['received_per_call']:.0f} = {total:.0f} B; tensors {tensors} B "
+          f"(in {wire['input_bytes']} + out {wire['output_bytes']}); overhead {total - tensors:.0f} B "
+          f"(target <= {WIRE_SLACK_BYTES})  {verdict(ok)}")
+    return {"wire_pass": ok}
+
+
+def print_bulk(bulk: dict) -> dict:
+    mb = bulk["bytes"] >> 20
+    print(f"\nBulk: {mb} MB float32 tensor to the worker and back, {bulk['repeats']} timed runs each")
+    print(f"  {'':42s} {'best GB/s':>10s} {'median GB/s':>12s} {'best ms':>9s} {'median ms':>10s}")
+    labels = {"raw_tcp": "raw TCP (recv_into a reused buffer)",
+              "remotorch_echo": "remotorch session.echo",
+              "zmq_reqrep": "pyzmq REQ/REP, copy=False",
+              "graph_remote": "x + 1 remote (incl. compute)",
+              "graph_local": "x + 1 local (compute only)"}
+    for key, label in labels.items():
+        r = bulk[key]
+        gbps = (f"{r['best_gbps']:10.2f} {r['median_gbps']:12.2f}" if key != "graph_local"
+                else f"{'':10s} {'':12s}")
+        print(f"  {label:42s} {gbps} {r['best_s'] * 1e3:9.1f} {r['median_s'] * 1e3:10.1f}")
+    best = bulk["remotorch_echo"]["best_gbps"] / bulk["raw_tcp"]["best_gbps"]
+    med = bulk["remotorch_echo"]["median_gbps"] / bulk["raw_tcp"]["median_gbps"]
+    ok = best >= BULK_TARGET
+    print(f"\n  bulk ratio remotorch / raw: best {best:.2f}, median {med:.2f}  "
+          f"(target >= {BULK_TARGET} on best)  {verdict(ok)}")
+    return {"bulk_ratio_best": best, "bulk_ratio_median": med, "bulk_pass": ok}
+
+
+# -------------------------------------------------------------------------------- main
+def source_version() -> str:
+    """remotorch's version, and the git commit of its checkout when there is one."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(remotorch.__file__), timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"remotorch {remotorch.__version__}" + (f" at {commit}" if commit else "")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", help="device of the spawned worker (cpu or cuda)")
+    p.add_argument("--url", help="use this running worker (tcp://host:port) instead of spawning one; "
+                                 "the raw TCP and pyzmq baselines still run on this machine's loopback")
+    p.add_argument("--token", help="the worker's token (with --url; default $REMOTORCH_TOKEN)")
+    p.add_argument("--threads", type=int,
+                   help="intra-op threads for this process and a spawned worker (default: half the "
+                        "CPUs each when the worker is spawned here, so the two do not oversubscribe)")
+    p.add_argument("--quick", action="store_true", help="fewer iterations and a 64 MB bulk tensor")
+    p.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace, children: list[Child]) -> dict:
+    raw_srv = python_child(RAW_ECHO_SERVER)
+    children.append(raw_srv)
+    zmq_srv = python_child(ZMQ_ECHO_SERVER)
+    children.append(zmq_srv)
+    url, token = args.url, args.token or os.environ.get("REMOTORCH_TOKEN")
+    threads = args.threads or (max(1, (os.cpu_count() or 2) // 2) if url is None else None)
+    if threads:
+        torch.set_num_threads(threads)
+    if url is None:
+        token = secrets.token_hex(16)
+        children.append(worker_child(args.device, token, threads))
+        url = children[-1].value
+    raw_port = int(raw_srv.value)
+    with remotorch.Session(url, token=token) as session:
+        info = session.health()
+        print(f"remotorch overhead benchmark ({source_version()}): torch {torch.__version__}, "
+              f"python {platform.python_version()}, "
+              f"{os.cpu_count()} CPUs, {torch.get_num_threads()} intra-op threads here; worker {url} "
+              f"({f'spawned, {threads} threads' if args.url is None else 'given'}) on {info['device']}")
+        latency = measure_latency(session, raw_port, int(zmq_srv.value), args.quick)
+        results = {"worker": {"url": url, "device": info["device"], "threads": threads},
+                   "client_threads": torch.get_num_threads(), "latency": latency}
+        results |= print_latency(latency)
+        results |= print_wire(latency["wire"])
+        results["bulk"] = measure_bulk(session, raw_port, int(zmq_srv.value), 64 if args.quick else 256,
+                                       repeats=3)
+        results |= print_bulk(results["bulk"])
+    return results
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    children: list[Child] = []
+    start = time.perf_counter()
+    try:
+        results = run(args, children)
+    finally:
+        for child in reversed(children):
+            child.stop()
+    results["wall_s"] = time.perf_counter() - start
+    print(f"\ntotal wall time {results['wall_s']:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
