@@ -28,11 +28,11 @@ class WorkerServer:
     """Serves one :class:`~remotorch.worker.Worker` over TCP."""
 
     def __init__(self, worker: Worker, host: str = "127.0.0.1", port: int = 7878,
-                 token: str | None = None, *, max_message_bytes: int = 1 << 38) -> None:
+                 token: str | None = None, *, max_frame_bytes: int = 1 << 38) -> None:
         self.worker = worker
         self._executor = ThreadExecutor()
         self._tcp = TcpServer(self._handle_on_executor, host, port, token, protocol=m.PROTOCOL_VERSION,
-                              max_frame=max_message_bytes, on_disconnect=worker.close_session,
+                              max_frame=max_frame_bytes, on_disconnect=worker.close_session,
                               protocol_error=lambda msg: m.encode(m.ErrorReply(ProtocolError.kind, msg)))
         self.address = self._tcp.address
 
@@ -84,7 +84,7 @@ class WorkerServer:
             self.worker.put_graph(session, req.graph_id, req.doc, req.consts, frames)
             return m.encode(m.Ok()), []
         if isinstance(req, m.Health):
-            return m.encode(m.HealthReply(protocol=m.PROTOCOL_VERSION, **self.worker.info())), []
+            return m.encode(m.HealthReply(protocol=m.PROTOCOL_VERSION, sessions=self._tcp.connections, **self.worker.info())), []
         if isinstance(req, m.Echo):
             return m.encode(m.EchoReply()), frames
         raise ProtocolError(f"{type(req).__name__} is not a request")

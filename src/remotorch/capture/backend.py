@@ -57,9 +57,12 @@ def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: 
     def get_session():
         return session if session is not None else default_session()
 
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     payload, unsupported = None, None
     try:
-        payload = encode_graph(gm)
+        with unset_fake_temporarily():  # constants are real tensors; read them outside fake mode
+            payload = encode_graph(gm)
     except UnsupportedGraphError as exc:
         unsupported = exc
     return RemoteGraph(payload, session_getter=get_session, engine=engine, fallback=fallback,

@@ -22,7 +22,7 @@ import torch.fx
 
 from ..errors import UnsupportedGraphError
 from .messages import TensorMeta
-from .tensors import dtype_from_name, dtype_name, tensor_to_wire
+from .tensors import DTYPE_NAMES, dtype_from_name, dtype_name, tensor_to_wire
 
 DOC_FORMAT = 1
 MAX_NODES = 200_000
@@ -196,17 +196,30 @@ def _decode_value(v, env: dict[str, torch.fx.Node], device: torch.device, depth:
             return env[x]
         if tag == "$t" and isinstance(x, list):
             return tuple(_decode_value(y, env, device, depth + 1) for y in x)
-        if tag == "$dt" and isinstance(x, str):
+        if tag == "$dt" and isinstance(x, str) and x in DTYPE_NAMES:
             return dtype_from_name(x)
         if tag == "$dev":
             return device  # the whole graph runs on the worker's device
-        if tag == "$ly" and x in _LAYOUTS:
+        if tag == "$ly" and isinstance(x, str) and x in _LAYOUTS:
             return _LAYOUTS[x]
-        if tag == "$mf" and x in _MEMORY_FORMATS:
+        if tag == "$mf" and isinstance(x, str) and x in _MEMORY_FORMATS:
             return _MEMORY_FORMATS[x]
         if tag == "$c" and isinstance(x, list) and len(x) == 2 and all(isinstance(y, float) for y in x):
             return complex(x[0], x[1])
     raise UnsupportedGraphError(f"malformed argument in graph document: {str(v)[:120]}")
+
+
+def _input_meta(spec: dict, i: int) -> dict:
+    kind = spec.get("kind")
+    if kind not in ("tensor", "scalar", "any"):
+        raise UnsupportedGraphError(f"graph input {i} has unknown kind")
+    if kind != "tensor":
+        return {"kind": kind}
+    dtype, shape = spec.get("dtype"), spec.get("shape")
+    if not (isinstance(dtype, str) and dtype in DTYPE_NAMES and isinstance(shape, list) and len(shape) <= 64
+            and all(isinstance(d, str) or (isinstance(d, int) and 0 <= d < 1 << 62) for d in shape)):
+        raise UnsupportedGraphError(f"graph input {i} has a malformed tensor description")
+    return {"kind": kind, "dtype": dtype, "shape": shape}
 
 
 def decode_graph(doc: bytes, consts: list[torch.Tensor], device: torch.device) -> DecodedGraph:
@@ -232,7 +245,7 @@ def decode_graph(doc: bytes, consts: list[torch.Tensor], device: torch.device) -
             if len(inputs) != len(env):
                 raise UnsupportedGraphError("placeholders must come first")
             env[f"v{i}"] = graph.placeholder(f"arg{len(inputs)}")
-            inputs.append({k: spec.get(k) for k in ("kind", "dtype", "shape")})
+            inputs.append(_input_meta(spec, i))
         elif op == "call":
             target = resolve_target(str(spec.get("target")))
             args = _decode_value(spec.get("args", []), env, device)

@@ -28,6 +28,7 @@ _DTYPES: dict[str, torch.dtype] = {
     }.items() if dt is not None
 }
 _NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
+DTYPE_NAMES = frozenset(_DTYPES)
 _ITEMSIZE: dict[torch.dtype, int] = {dt: torch.empty((), dtype=dt).element_size() for dt in _NAMES}
 
 
@@ -105,8 +106,8 @@ def tensor_from_wire(meta: TensorMeta, buf) -> torch.Tensor:
     shape, strides = list(meta.shape), list(meta.strides)
     if len(shape) != len(strides) or len(shape) > 64:
         raise ValueError("tensor meta: shape and strides disagree")
-    if any((not isinstance(x, int)) or x < 0 for x in shape + strides):
-        raise ValueError("tensor meta: negative size or stride")
+    if any((not isinstance(x, int)) or not 0 <= x < 1 << 62 for x in shape + strides):
+        raise ValueError("tensor meta: size or stride out of range")
     itemsize = _ITEMSIZE[dtype]
     arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
     numel = 1

@@ -88,6 +88,11 @@ class TcpServer:
             if self._on_disconnect:
                 self._on_disconnect(cid)
 
+    @property
+    def connections(self) -> int:
+        """Connections open now (each is one session)."""
+        return len(self._conns)
+
     def shutdown(self) -> None:
         """Stop accepting and close every connection."""
         self._closing.set()

@@ -83,16 +83,18 @@ class Worker:
 
     def info(self) -> dict:
         return {"name": self.name, "device": str(self.device), "torch_version": str(torch.__version__),
-                "engines": list(self.engines), "sessions": self._tensors.sessions(),
+                "engines": list(self.engines),
                 "resident_bytes": self._tensors.total_bytes}
 
     # ------------------------------------------------------------------- uploads
     def put_graph(self, session: object, gid: str, doc: bytes, consts: list[TensorMeta], frames) -> None:
         """Store a graph document after checking its id is its content hash and it decodes."""
-        if len(doc) + sum(f.nbytes for f in frames) > self.limits.max_graph_bytes:
-            raise LimitExceededError(f"graph of {len(doc)} bytes is over the worker's limit")
-        if len(consts) != len(frames):
-            raise InvalidRequestError("graph constants and frames disagree")
+        size = len(doc) + sum(f.nbytes for f in frames)
+        if size > self.limits.max_graph_bytes:
+            raise LimitExceededError(f"graph of {size} bytes (document and constants) is over the "
+                                     f"worker's limit of {self.limits.max_graph_bytes}")
+        if len(consts) != len(frames) or any(c.frame != i for i, c in enumerate(consts)):
+            raise InvalidRequestError("graph constant i must be in frame i")
         if graph_id(doc, consts, frames) != gid:
             raise InvalidRequestError("graph id does not match its content")
         if self._graphs.missing(session, [gid]):
