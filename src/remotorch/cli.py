@@ -31,6 +31,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
               "(give --token or REMOTORCH_TOKEN, or --insecure to accept anyone who can reach the port)",
               file=sys.stderr)
         return 2
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     try:
         worker = Worker(args.device, name=args.name)
     except ValueError as exc:
@@ -88,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     serve.add_argument("--token", default=None, help="shared secret (default: $REMOTORCH_TOKEN)")
     serve.add_argument("--name", default="worker", help="the worker's name in reports")
+    serve.add_argument("--threads", type=int, default=0,
+                       help="CPU threads for graph kernels (default: torch's choice)")
     serve.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without a token")
     serve.add_argument("--exit-on-stdin-close", action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(fn=cmd_serve)

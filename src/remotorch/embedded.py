@@ -26,7 +26,10 @@ class EmbeddedWorker:
         self.token = secrets.token_hex(16)
         env = dict(os.environ, REMOTORCH_TOKEN=self.token, PYTHONUNBUFFERED="1")
         cmd = [sys.executable, "-m", "remotorch", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--name", "local", "--device", device, "--exit-on-stdin-close"]
+               "--name", "local", "--device", device, "--exit-on-stdin-close",
+               # the worker shares this machine's cores with the caller: take half, so
+               # neither side's kernel threads spin on cores the other needs
+               "--threads", str(max(1, (os.cpu_count() or 2) // 2))]
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=None, env=env, text=True)
         self._finalizer = weakref.finalize(self, _stop, self._proc)

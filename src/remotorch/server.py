@@ -8,7 +8,6 @@ server keeps serving.
 from __future__ import annotations
 
 import logging
-import threading
 import traceback
 
 import msgspec
@@ -16,9 +15,8 @@ import torch
 
 from .codec import messages as m
 from .codec.tensors import tensor_to_wire
-from .errors import InvalidRequestError, ProtocolError, RemoteError, WorkerUnavailableError
+from .errors import InvalidRequestError, ProtocolError, RemoteError
 from .transport.server import TcpServer
-from .executor import ThreadExecutor
 from .worker import Worker
 
 log = logging.getLogger(__name__)
@@ -30,8 +28,7 @@ class WorkerServer:
     def __init__(self, worker: Worker, host: str = "127.0.0.1", port: int = 7878,
                  token: str | None = None, *, max_frame_bytes: int = 1 << 38) -> None:
         self.worker = worker
-        self._executor = ThreadExecutor()
-        self._tcp = TcpServer(self._handle_on_executor, host, port, token, protocol=m.PROTOCOL_VERSION,
+        self._tcp = TcpServer(self.handle, host, port, token, protocol=m.PROTOCOL_VERSION,
                               max_frame=max_frame_bytes, on_disconnect=worker.close_session,
                               protocol_error=lambda msg: m.encode(m.ErrorReply(ProtocolError.kind, msg)))
         self.address = self._tcp.address
@@ -41,22 +38,12 @@ class WorkerServer:
         return f"tcp://{self.address[0]}:{self.address[1]}"
 
     def serve_forever(self) -> None:
-        """Serve until :meth:`shutdown`; requests run on the calling thread (see ``executor``)."""
-        acceptor = threading.Thread(target=self._tcp.serve_forever, name="remotorch-accept", daemon=True)
-        acceptor.start()
-        self._executor.run_forever()
-        acceptor.join(timeout=5)
+        """Serve until :meth:`shutdown`; requests run on the calling thread, one at a time."""
+        self._tcp.serve_forever()
 
     def shutdown(self) -> None:
-        """Stop accepting, finish the request in progress, fail queued ones. Safe from any thread."""
+        """Stop serving (the request in progress finishes first). Safe from any thread."""
         self._tcp.shutdown()
-        self._executor.stop()
-
-    def _handle_on_executor(self, session: int, header: bytes, frames: list) -> tuple[bytes, list]:
-        try:
-            return self._executor.call(self.handle, session, header, frames)
-        except RuntimeError as exc:
-            return self._error(WorkerUnavailableError(f"worker is shutting down: {exc}")), []
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, session: int, header: bytes, frames: list) -> tuple[bytes, list]:

@@ -107,6 +107,11 @@ class FramedChannel:
             return len(data)
         return send_all(self.sock, [prefix + mac, header, *frames])
 
+    @property
+    def buffered(self) -> bool:
+        """True when bytes of a further message are already read."""
+        return self._end > self._start
+
     def _fill(self, need: int) -> None:
         """Make at least ``need`` bytes available in the read buffer."""
         if self._end - self._start >= need:
