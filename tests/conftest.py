@@ -1,0 +1,191 @@
+"""Shared fixtures: a real ``remotorch serve`` subprocess on loopback, and sessions to it.
+
+Rule 3 of the design: integration tests talk to a real worker server over the
+real transport. The session-scoped ``server`` fixture starts one for the whole
+run; ``start_server`` starts extra ones for tests that kill or misuse a server.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import remotorch
+
+TOKEN = "test-token-0123456789"
+READY_PREFIX = "remotorch: serving on "
+START_TIMEOUT = 120.0
+
+
+@dataclass
+class ServerProcess:
+    """A running ``remotorch serve`` child process and where it listens."""
+
+    proc: subprocess.Popen
+    url: str
+    token: str | None
+    name: str
+    stderr_path: str
+    _threads: list = field(default_factory=list)
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    @property
+    def host(self) -> str:
+        return self.url.removeprefix("tcp://").rsplit(":", 1)[0]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stderr_text(self) -> str:
+        try:
+            with open(self.stderr_path, encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """Kill the server (idempotent) and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # pragma: no cover - kill does not fail on Linux
+            pass
+        try:
+            os.unlink(self.stderr_path)
+        except OSError:
+            pass
+
+
+def clean_env(**extra: str) -> dict:
+    """The current environment without REMOTORCH_* settings, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTORCH_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def spawn_server(*, token: str | None = TOKEN, name: str = "test", extra_args: tuple = ()) -> ServerProcess:
+    """Start ``python -m remotorch serve`` on a free loopback port and wait until it serves."""
+    cmd = [sys.executable, "-m", "remotorch", "serve", "--host", "127.0.0.1", "--port", "0",
+           "--name", name, *extra_args]
+    if token is not None:
+        cmd += ["--token", token]
+    fd, stderr_path = tempfile.mkstemp(prefix="remotorch-server-", suffix=".log")
+    with os.fdopen(fd, "w") as stderr:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr,
+                                env=clean_env(), text=True)
+    found: list[str] = []
+
+    def read_ready() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if line.startswith(READY_PREFIX):
+                found.append(line[len(READY_PREFIX):].strip())
+                break
+
+    reader = threading.Thread(target=read_ready, daemon=True)
+    reader.start()
+    reader.join(START_TIMEOUT)
+    if not found:
+        proc.kill()
+        proc.wait()
+        with open(stderr_path, encoding="utf-8", errors="replace") as f:
+            log = f.read()
+        os.unlink(stderr_path)
+        raise RuntimeError(f"remotorch serve did not start (rc={proc.returncode}):\n{log}")
+    # keep draining stdout so the child can never block on a full pipe
+    drain = threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True)  # type: ignore[union-attr]
+    drain.start()
+    url = found[0]
+    assert url.startswith("tcp://127.0.0.1:"), url
+    return ServerProcess(proc, url, token, name, stderr_path, [drain])
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server():
+    """The shared worker server for the whole test run."""
+    srv = spawn_server(token=TOKEN, name="test")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def session(server):
+    """A fresh Session to the shared server, closed after the test."""
+    s = remotorch.Session(server.url, token=TOKEN)
+    yield s
+    s.close()
+    if not server.alive():
+        pytest.fail(f"the shared worker server died during the test:\n{server.stderr_text()[-4000:]}")
+
+
+@pytest.fixture
+def make_session(server):
+    """Factory for extra sessions to the shared server (all closed after the test)."""
+    made: list[remotorch.Session] = []
+
+    def make(url: str | None = None, token: str | None = TOKEN, **kwargs) -> remotorch.Session:
+        s = remotorch.Session(url or server.url, token=token, **kwargs)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+@pytest.fixture
+def start_server():
+    """Factory that starts extra servers (for tests that kill or abuse one); all killed after."""
+    started: list[ServerProcess] = []
+
+    def start(**kwargs) -> ServerProcess:
+        srv = spawn_server(**kwargs)
+        started.append(srv)
+        return srv
+
+    yield start
+    for srv in started:
+        srv.stop()
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    """Each test compiles from scratch: no dynamo cache entries leak between tests."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def seeded():
+    torch.manual_seed(0)
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,320 @@
+"""The worker keeps serving after garbage, failed handshakes and broken framing (rule 4).
+
+Each case abuses the server over a raw socket; afterwards a real session on
+its own connection must still get correct results.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+import msgspec
+import pytest
+import torch
+
+import remotorch
+from remotorch.codec import messages as m
+from remotorch.transport import TcpTransport
+from remotorch.transport import framing
+
+from conftest import TOKEN
+
+PROTOCOL = m.PROTOCOL_VERSION
+
+
+def connect(server) -> socket.socket:
+    sock = socket.create_connection((server.host, server.port), timeout=10)
+    sock.settimeout(10)
+    return sock
+
+
+def recv_until_closed(sock: socket.socket, limit: int = 1 << 16) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    data = b""
+    try:
+        while len(data) < limit:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def authenticated(server) -> tuple[socket.socket, bytes]:
+    sock = connect(server)
+    key = framing.client_handshake(sock, TOKEN.encode(), PROTOCOL)
+    return sock, key
+
+
+def framed(key: bytes, seq: int, header: bytes, frames: tuple = ()) -> bytes:
+    """One message exactly as FramedChannel.send lays it out."""
+    lengths = [len(header)] + [len(f) for f in frames]
+    fixed = struct.pack("<4sQI", framing.MAGIC, seq, len(lengths)) + struct.pack(f"<{len(lengths)}Q", *lengths)
+    return fixed + framing._mac(key, fixed, header) + header + b"".join(frames)
+
+
+def read_reply(sock: socket.socket, key: bytes, seq: int = 0):
+    channel = framing.FramedChannel(sock, key, max_frame=1 << 30, max_header=1 << 30)
+    channel._recv_seq = seq
+    header, frames, _ = channel.recv()
+    return m.decode(header), frames
+
+
+# ----------------------------------------------------------------------- the abuses
+def random_bytes(server) -> None:
+    with connect(server) as sock:
+        try:
+            sock.sendall(b"GET / HTTP/1.1\r\n" + os.urandom(4096))
+        except OSError:
+            pass
+        assert recv_until_closed(sock) == b""  # not a hello: closed without an answer
+
+
+def connect_and_close(server) -> None:
+    connect(server).close()
+
+
+def partial_hello(server) -> None:
+    with connect(server) as sock:
+        sock.sendall(framing.HELLO + b"\x01\x00")
+
+
+def hello_with_wrong_proof(server) -> None:
+    with connect(server) as sock:
+        sock.sendall(struct.pack("<4sI32s", framing.HELLO, PROTOCOL, os.urandom(32)))
+        answer = framing.recv_exact(sock, 40 + framing.MAC_SIZE).tobytes()
+        assert answer[:4] == framing.HELLO
+        sock.sendall(os.urandom(framing.MAC_SIZE))
+        assert recv_until_closed(sock) == b"\x00"  # refused, then closed
+
+
+def hello_with_wrong_version(server) -> None:
+    with connect(server) as sock:
+        sock.sendall(struct.pack("<4sI32s", framing.HELLO, PROTOCOL + 41, os.urandom(32)))
+        answer = recv_until_closed(sock)
+        # the worker tells its own version (so the client can say what is wrong), then closes
+        assert len(answer) == 40 + framing.MAC_SIZE
+        magic, version, _ = struct.unpack("<4sI32s", answer[:40])
+        assert magic == framing.HELLO and version == PROTOCOL
+
+
+def client_refuses_server(server) -> None:
+    """A client with another token stops the handshake itself: the server must cope."""
+    with connect(server) as sock:
+        with pytest.raises(framing.AuthFailed):
+            framing.client_handshake(sock, b"another token", PROTOCOL)
+
+
+def garbage_after_auth(server) -> None:
+    sock, key = authenticated(server)
+    with sock:
+        sock.sendall(b"XXXX" + os.urandom(200))
+        reply, _ = read_reply(sock, key)
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "protocol"
+        assert recv_until_closed(sock) == b""
+
+
+def bad_mac_after_auth(server) -> None:
+    sock, _ = authenticated(server)
+    with sock:
+        sock.sendall(framed(os.urandom(32), 0, m.encode(m.Health())))
+        assert recv_until_closed(sock) == b""  # closed without an answer
+
+
+def replayed_message(server) -> None:
+    sock, key = authenticated(server)
+    with sock:
+        message = framed(key, 0, m.encode(m.Health()))
+        sock.sendall(message)
+        reply, _ = read_reply(sock, key)
+        assert isinstance(reply, m.HealthReply)
+        sock.sendall(message)  # same sequence number again
+        assert recv_until_closed(sock) == b""
+
+
+def oversized_frame_claim(server) -> None:
+    sock, key = authenticated(server)
+    with sock:
+        fixed = struct.pack("<4sQI", framing.MAGIC, 0, 2) + struct.pack("<2Q", 10, 1 << 62)
+        sock.sendall(fixed + os.urandom(framing.MAC_SIZE))
+        reply, _ = read_reply(sock, key)
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "protocol"
+        assert recv_until_closed(sock) == b""
+
+
+def zero_frames_claim(server) -> None:
+    sock, key = authenticated(server)
+    with sock:
+        sock.sendall(struct.pack("<4sQI", framing.MAGIC, 0, 0))
+        reply, _ = read_reply(sock, key)
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "protocol"
+        assert recv_until_closed(sock) == b""
+
+
+def too_many_frames_claim(server) -> None:
+    sock, key = authenticated(server)
+    with sock:
+        sock.sendall(struct.pack("<4sQI", framing.MAGIC, 0, framing.MAX_FRAMES + 1))
+        reply, _ = read_reply(sock, key)
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "protocol"
+        assert recv_until_closed(sock) == b""
+
+
+def altered_header_after_auth(server) -> None:
+    """A correctly MAC'd message whose frame 0 was changed in flight is dropped unanswered."""
+    sock, key = authenticated(server)
+    with sock:
+        message = bytearray(framed(key, 0, m.encode(m.Health())))
+        message[-1] ^= 0x01
+        sock.sendall(bytes(message))
+        assert recv_until_closed(sock) == b""
+
+
+def truncated_message(server) -> None:
+    sock, key = authenticated(server)
+    with sock:
+        message = framed(key, 0, m.encode(m.Echo()), (b"\x00" * 100_000,))
+        sock.sendall(message[:-50_000])  # then hang up half-way through a frame
+
+
+def silent_connection(server) -> None:
+    """A client that authenticates and then says nothing must not block others (checked while open)."""
+    sock, _ = authenticated(server)
+    silent_connection.sock = sock  # closed by the test after the check
+
+
+ABUSES = [random_bytes, connect_and_close, partial_hello, hello_with_wrong_proof, hello_with_wrong_version,
+          client_refuses_server, garbage_after_auth, bad_mac_after_auth, replayed_message,
+          oversized_frame_claim, zero_frames_claim, too_many_frames_claim, altered_header_after_auth,
+          truncated_message, silent_connection]
+
+
+@pytest.fixture
+def check_serving(session):
+    """A compiled model on the shared server; calling the fixture checks a correct answer."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3)).eval()
+    compiled = remotorch.compile(model, session=session, fallback="raise")
+
+    def check() -> None:
+        x = torch.randn(5, 12)
+        with torch.no_grad():
+            assert torch.equal(compiled(x), model(x))
+
+    check()
+    return check
+
+
+@pytest.mark.parametrize("abuse", ABUSES, ids=[a.__name__ for a in ABUSES])
+def test_worker_survives(server, check_serving, make_session, abuse):
+    abuse(server)
+    try:
+        check_serving()  # the session that was open before
+        other = make_session()  # and a brand-new connection
+        assert other.health()["name"] == "test"
+    finally:
+        sock = getattr(abuse, "sock", None)
+        if sock is not None:
+            sock.close()
+            del abuse.sock
+    assert server.alive()
+
+
+def test_malformed_headers_get_error_replies_on_the_same_connection(server):
+    transport = TcpTransport(server.url, TOKEN, protocol=PROTOCOL, connect_timeout=5, timeout=30)
+    try:
+        headers = [
+            os.urandom(64),
+            b"",
+            msgspec.msgpack.encode([PROTOCOL]),
+            msgspec.msgpack.encode([PROTOCOL, {"type": "no_such_request"}]),
+            msgspec.msgpack.encode([PROTOCOL + 1, {"type": "health"}]),
+            msgspec.msgpack.encode({"v": PROTOCOL, "body": {"type": "health"}}),
+            msgspec.msgpack.encode([PROTOCOL, {"type": "run", "graph_id": 1, "engine": [], "args": {}}]),
+            m.encode(m.Ok()),  # a reply is not a request
+        ]
+        for header in headers:
+            reply_header, frames = transport.request(header)
+            reply = m.decode(reply_header)
+            assert isinstance(reply, m.ErrorReply), header
+            assert reply.kind in ("protocol", "invalid"), reply
+            assert frames == []
+        reply_header, _ = transport.request(m.encode(m.Health()))
+        assert isinstance(m.decode(reply_header), m.HealthReply)
+    finally:
+        transport.close()
+
+
+def test_requests_that_do_not_fit_get_typed_errors(session, server):
+    """Well-formed requests that name nothing, or the wrong things, are answered with errors."""
+    transport = TcpTransport(server.url, TOKEN, protocol=PROTOCOL, connect_timeout=5, timeout=30)
+    try:
+        def ask(body, frames=()):
+            header, out = transport.request(m.encode(body), frames)
+            return m.decode(header)
+
+        reply = ask(m.RunGraph("0" * 64, "eager", []))
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "missing"
+        assert reply.graphs == ["0" * 64]
+        reply = ask(m.PutGraph("f" * 64, b"doc", []))
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "invalid"  # id is not the content hash
+        meta = m.TensorMeta("float32", [4], [1], 3)
+        reply = ask(m.PutTensors(["x"], [meta]), [b"\x00" * 16])
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "invalid"  # frame 3 does not exist
+        reply = ask(m.PutTensors(["not-the-hash"], [m.TensorMeta("float32", [4], [1], 0)]), [b"\x00" * 16])
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "invalid"
+        doc = msgspec.msgpack.encode({"format": 1, "nodes": [{"op": "const", "index": 0},
+                                                              {"op": "output", "args": [{"$n": "v0"}]}]})
+        const = m.TensorMeta("uint8", [4], [1], 1)  # constant 0 must be in frame 0
+        gid = remotorch.codec.graph.graph_id(doc, [const], [b"abcd"])
+        reply = ask(m.PutGraph(gid, doc, [const]), [b"abcd"])
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "invalid"
+        reply = ask(m.PutGraph(gid, doc, [const]), [])  # constants without frames
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "invalid"
+        reply = ask(m.PutGraph(remotorch.codec.graph.graph_id(b"\x80junk", [], []), b"\x80junk", []))
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "unsupported"
+        reply = ask(m.PutTensors(["a", "b"], [m.TensorMeta("uint8", [1], [1], 0)]), [b"x"])
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "invalid"  # counts disagree
+        rank65 = m.TensorMeta("uint8", [1] * 65, [1] * 65, 0)
+        reply = ask(m.PutTensors([remotorch.codec.tensors.content_id(rank65, memoryview(b"x"))], [rank65]),
+                    [b"x"])
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "invalid"
+        reply = ask(m.Echo(), [b"abc", b"", b"\x00" * 1000])
+        assert isinstance(reply, m.EchoReply)
+    finally:
+        transport.close()
+    assert session.health()["name"] == "test"
+
+
+def test_wrong_argument_count_and_dtype_are_invalid_requests(session, server):
+    """A graph run with the wrong arguments is refused before it runs."""
+    torch.manual_seed(0)
+    compiled = remotorch.compile(lambda a, b: a * b + 1, session=session, fallback="raise")
+    a, b = torch.randn(3), torch.randn(3)
+    assert torch.equal(compiled(a, b), a * b + 1)
+    gid = next(iter(session._graphs_on_worker))
+    transport = session._get_transport()  # the same connection: it holds the graph
+    meta_f, buf_f = remotorch.codec.tensors.tensor_to_wire(a, 0)
+    meta_i, buf_i = remotorch.codec.tensors.tensor_to_wire(torch.arange(3), 1)
+    meta_long, buf_long = remotorch.codec.tensors.tensor_to_wire(torch.randn(4), 1)
+    meta_2d, buf_2d = remotorch.codec.tensors.tensor_to_wire(torch.randn(1, 3), 1)
+    cases = [
+        ([m.TensorArg(meta_f)], [buf_f], "invalid"),  # one argument short
+        ([m.TensorArg(meta_f)] * 3, [buf_f], "invalid"),  # one too many
+        ([m.TensorArg(meta_f), m.TensorArg(meta_i)], [buf_f, buf_i], "invalid"),  # int64 for float32
+        ([m.TensorArg(meta_f), m.TensorArg(meta_long)], [buf_f, buf_long], "invalid"),  # wrong size
+        ([m.TensorArg(meta_f), m.TensorArg(meta_2d)], [buf_f, buf_2d], "invalid"),  # wrong rank
+        ([m.TensorArg(meta_f), m.ScalarArg(2.0)], [buf_f], "invalid"),  # a scalar for a tensor
+        ([m.TensorArg(meta_f), m.TensorArg(meta_i)], [buf_f], "invalid"),  # frame 1 is not there
+        ([m.TensorArg(meta_f), m.RefArg("nope")], [buf_f], "missing"),  # never uploaded
+    ]
+    for args, frames, kind in cases:
+        header, _ = transport.request(m.encode(m.RunGraph(gid, "eager", args)), frames)
+        reply = m.decode(header)
+        assert isinstance(reply, m.ErrorReply), args
+        assert reply.kind == kind, (args, reply)
+    assert torch.equal(compiled(a, b), a * b + 1)
