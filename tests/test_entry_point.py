@@ -6,6 +6,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+import torch
+
+import remotorch
+import remotorch.session
+
 from conftest import TOKEN, clean_env
 
 SCRIPT = textwrap.dedent("""
@@ -43,9 +49,6 @@ def test_string_backend_without_importing_remotorch(server):
 
 
 def test_string_backend_with_options_in_process(session):
-    import pytest
-    import torch
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).eval()
     compiled = torch.compile(model, backend="remotorch", options={"session": session, "fallback": "raise"})
@@ -61,11 +64,6 @@ def test_string_backend_with_options_in_process(session):
 
 
 def test_default_session_reads_the_environment(server, monkeypatch):
-    import torch
-
-    import remotorch
-    import remotorch.session
-
     monkeypatch.setenv("REMOTORCH_URL", server.url)
     monkeypatch.setenv("REMOTORCH_TOKEN", TOKEN)
     monkeypatch.setattr(remotorch.session, "_default", None)

@@ -6,6 +6,8 @@ per graph; ``fallback="raise"`` must raise the typed ``RemoteError``.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -58,7 +60,6 @@ def test_unreachable_worker_warns_once_per_graph_across_graph_breaks():
         assert graphs >= 2  # one warning for each graph of the break
         fallbacks = session.stats()["fallbacks"]
         assert fallbacks == graphs
-        import warnings
         with warnings.catch_warnings(record=True) as later:
             warnings.simplefilter("always")
             for _ in range(3):

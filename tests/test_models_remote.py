@@ -12,6 +12,10 @@ import torch
 
 import remotorch
 from remotorch import models
+from remotorch.codec import messages as m
+from remotorch.codec.tensors import tensor_to_wire
+
+from conftest import wait_until
 
 SLACK = 1024  # bytes of headers allowed on top of the tensor bytes of a warm call
 
@@ -26,7 +30,7 @@ def test_health_names_the_fixture_server(session):
     assert info["name"] == "test"
     assert info["device"] == "cpu"
     assert "eager" in info["engines"]
-    assert info["protocol"] == remotorch.codec.messages.PROTOCOL_VERSION
+    assert info["protocol"] == m.PROTOCOL_VERSION
 
 
 def test_mlp_uploads_once_and_warm_calls_carry_only_inputs_and_outputs(session):
@@ -174,8 +178,6 @@ def test_backward_gradients_match_eager_and_updated_weights_are_reuploaded(sessi
 
 # ------------------------------------------------------------- worker-side state
 def test_closing_a_session_frees_what_it_uploaded(start_server, make_session):
-    from conftest import wait_until
-
     srv = start_server(name="store")  # its own server: nothing else uploads or frees meanwhile
     observer = make_session(srv.url)
     before = observer.health()
@@ -204,9 +206,6 @@ def test_closing_a_session_frees_what_it_uploaded(start_server, make_session):
 
 
 def test_sessions_cannot_use_each_others_tensors(make_session):
-    from remotorch.codec import messages as m
-    from remotorch.codec.tensors import tensor_to_wire
-
     owner, other = make_session(), make_session()
     torch.manual_seed(13)
     model = models.mlp().eval()
