@@ -61,7 +61,7 @@ def recv_exact(sock: socket.socket, n: int) -> np.ndarray:
 
 def send_all(sock: socket.socket, buffers: Sequence) -> int:
     """Scatter-gather send of every buffer (no joining copies); returns bytes sent."""
-    views = [memoryview(b).cast("B") for b in buffers if len(memoryview(b).cast("B"))]
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
     total = sum(v.nbytes for v in views)
     while views:
         sent = sock.sendmsg(views[:_IOV_MAX])

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Sequence
 from urllib.parse import urlparse
 
-from ..errors import AuthenticationError, ProtocolError, TransportError, WorkerUnavailableError
+from ..errors import AuthenticationError, ProtocolError, WorkerUnavailableError
 from .base import Buffer, Transport
 from .framing import AuthFailed, FramedChannel, FramingError, client_handshake
 
@@ -97,5 +97,3 @@ class TcpTransport(Transport):
         with self._lock:
             self._drop()
 
-
-__all__ = ["TcpTransport", "parse_url", "TransportError"]
