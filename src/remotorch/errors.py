@@ -13,7 +13,8 @@ Every failure that involves the worker surfaces as a subclass of
     ├── UnsupportedGraphError          the graph uses something the wire format or worker refuses
     ├── InvalidRequestError            a well-formed request that does not fit (wrong arguments for a graph)
     ├── LimitExceededError             a request is over a size limit of the worker
-    │   └── QuotaExceededError         a session is over its memory quota
+    │   ├── QuotaExceededError         a session is over its memory quota (or the worker over its memory limit)
+    │   └── RequestTimeoutError        a request ran longer than the worker's request timeout
     └── MissingObjectsError            the worker lacks graphs/tensors the request names (session re-uploads)
 
 Errors raised on the worker travel back as an ``ErrorReply`` whose ``kind``
@@ -99,6 +100,12 @@ class QuotaExceededError(LimitExceededError):
     kind = "quota"
 
 
+class RequestTimeoutError(LimitExceededError):
+    """A request ran past the worker's request timeout and was stopped; the worker keeps serving."""
+
+    kind = "timeout"
+
+
 class MissingObjectsError(RemoteError):
     """The worker does not hold graphs or tensors a request refers to.
 
@@ -119,7 +126,8 @@ _BY_KIND: dict[str, type[RemoteError]] = {
     cls.kind: cls
     for cls in (RemoteError, TransportError, WorkerUnavailableError, ProtocolError,
                 AuthenticationError, WorkerError, RemoteOutOfMemoryError,
-                UnsupportedGraphError, InvalidRequestError, LimitExceededError, QuotaExceededError)
+                UnsupportedGraphError, InvalidRequestError, LimitExceededError, QuotaExceededError,
+                RequestTimeoutError)
 }
 
 

@@ -8,6 +8,9 @@ server keeps serving.
 from __future__ import annotations
 
 import logging
+import ssl
+import threading
+import time
 import traceback
 
 import msgspec
@@ -15,7 +18,8 @@ import torch
 
 from .codec import messages as m
 from .codec.tensors import tensor_to_wire
-from .errors import InvalidRequestError, ProtocolError, RemoteError
+from .errors import InvalidRequestError, LimitExceededError, ProtocolError, RemoteError
+from .leases import SESSION_ID, LeaseTable
 from .transport.server import TcpServer
 from .worker import Worker
 
@@ -26,24 +30,67 @@ class WorkerServer:
     """Serves one :class:`~remotorch.worker.Worker` over TCP."""
 
     def __init__(self, worker: Worker, host: str = "127.0.0.1", port: int = 7878,
-                 token: str | None = None, *, max_frame_bytes: int = 1 << 38) -> None:
+                 token: str | None = None, *, max_frame_bytes: int = 1 << 38,
+                 max_message_bytes: int | None = None, lease_s: float = 30.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.worker = worker
+        self.max_message_bytes = max_message_bytes
+        if max_message_bytes is not None:  # no single frame may exceed the whole message either
+            max_frame_bytes = min(max_frame_bytes, max_message_bytes)
+        self._leases = LeaseTable(lease_s)
         self._tcp = TcpServer(self.handle, host, port, token, protocol=m.PROTOCOL_VERSION,
-                              max_frame=max_frame_bytes, on_disconnect=worker.close_session,
-                              protocol_error=lambda msg: m.encode(m.ErrorReply(ProtocolError.kind, msg)))
+                              max_frame=max_frame_bytes, on_disconnect=self._disconnected,
+                              max_header=min(64 << 20, max_message_bytes or 64 << 20),
+                              protocol_error=lambda msg: m.encode(m.ErrorReply(ProtocolError.kind, msg)),
+                              tls=tls)
         self.address = self._tcp.address
+        self.scheme = "tls" if tls is not None else "tcp"
+        self._reaper_stop = threading.Event()
 
     @property
     def url(self) -> str:
-        return f"tcp://{self.address[0]}:{self.address[1]}"
+        return f"{self.scheme}://{self.address[0]}:{self.address[1]}"
 
     def serve_forever(self) -> None:
         """Serve until :meth:`shutdown`; requests run on the calling thread, one at a time."""
-        self._tcp.serve_forever()
+        reaper = threading.Thread(target=self._reap, name="remotorch-leases", daemon=True)
+        reaper.start()
+        try:
+            self._tcp.serve_forever()
+        finally:
+            self._reaper_stop.set()
 
     def shutdown(self) -> None:
         """Stop serving (the request in progress finishes first). Safe from any thread."""
+        self._reaper_stop.set()
         self._tcp.shutdown()
+
+    # ------------------------------------------------------------------ sessions
+    def _disconnected(self, cid: int) -> None:
+        self.worker.close_session(cid)  # what the connection held as itself
+        self._leases.disconnect(cid)  # an attached session waits for its lease
+
+    def _reap(self) -> None:
+        """Free sessions whose lease ran out; close connections that went silent."""
+        interval = min(1.0, self._leases.lease_s / 4)
+        while not self._reaper_stop.wait(interval):
+            gone, close = self._leases.expired()
+            for cid in close:
+                self._tcp.close_connection(cid)
+            for lease in gone:
+                log.info("session %r: lease expired, freeing what it held", lease)
+                self.worker.close_session(lease)
+
+    def _attach(self, cid: int, req: m.Attach) -> tuple[bytes, list]:
+        if not SESSION_ID.fullmatch(req.session_id):
+            raise InvalidRequestError("session id must be 16 to 128 characters of [0-9A-Za-z_-]")
+        try:
+            resumed, displaced = self._leases.attach(cid, req.session_id)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        for other in displaced:
+            self._tcp.close_connection(other)
+        return m.encode(m.AttachReply(resumed, self._leases.lease_s)), []
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, session: int, header: bytes, frames: list) -> tuple[bytes, list]:
@@ -53,15 +100,40 @@ class WorkerServer:
                 request = m.decode(header)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise ProtocolError(f"malformed request header: {exc}") from None
-            return self._dispatch(session, request, frames)
+            self._check_size(header, frames)
+            started = time.monotonic()
+            self._leases.begin(session)
+            try:
+                return self._dispatch(session, request, frames)
+            finally:
+                self._leases.end(session, started)
         except RemoteError as exc:
             return self._error(exc), []
+        except MemoryError as exc:
+            return m.encode(m.ErrorReply("oom", f"worker out of host memory: {exc}")), []
         except Exception as exc:  # a bug of ours must still be an answer, not a dead worker
             log.exception("unexpected error while serving a request")
             return m.encode(m.ErrorReply("worker", f"{type(exc).__name__}: {exc}",
                                          traceback.format_exc())), []
 
+    def _check_size(self, header: bytes, frames: list) -> None:
+        if self.max_message_bytes is not None:
+            size = len(header) + sum(f.nbytes for f in frames)
+            if size > self.max_message_bytes:
+                raise LimitExceededError(f"message of {size} bytes is over the worker's limit of "
+                                         f"{self.max_message_bytes}")
+
     def _dispatch(self, session: int, req, frames: list) -> tuple[bytes, list]:
+        if isinstance(req, m.Attach):
+            return self._attach(session, req)
+        if isinstance(req, m.Heartbeat):
+            return m.encode(m.Ok()), []
+        if isinstance(req, m.Detach):
+            lease = self._leases.release(session)
+            if lease is not None:
+                self.worker.close_session(lease)
+            return m.encode(m.Ok()), []
+        session = self._leases.key(session)
         if isinstance(req, m.RunGraph):
             return self._run(session, req, frames)
         if isinstance(req, m.PutTensors):

@@ -10,6 +10,7 @@ touches the transport.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 import weakref
@@ -23,6 +24,7 @@ from .codec import messages as m
 from .codec.tensors import content_id, tensor_from_wire, tensor_to_wire
 from .config import from_env
 from .transport import TcpTransport, Transport
+from .transport.tls import client_context
 
 if TYPE_CHECKING:
     from .capture.remote import RemoteGraph
@@ -33,18 +35,31 @@ log = logging.getLogger(__name__)
 class Session:
     """A connection to one worker, with what has been uploaded to it.
 
-    ``url`` is ``tcp://host:port``; without it ``REMOTORCH_URL`` is used, and
-    without that an embedded worker process is started on 127.0.0.1 the
-    first time the session needs a worker. Creating a session never contacts
-    the worker, so a session for a worker that is down fails only when a call
-    needs it (and then falls back or raises, as the call's policy says).
+    ``url`` is ``tcp://host:port`` (or ``tls://host:port``, checking the
+    worker's certificate against the system CAs or ``tls_ca``); without it
+    ``REMOTORCH_URL`` is used, and without that an embedded worker process is
+    started on 127.0.0.1 the first time the session needs a worker. Creating a
+    session never contacts the worker, so a session for a worker that is down
+    fails only when a call needs it (and then falls back or raises, as the
+    call's policy says).
+
+    On the worker the session is named by a random ``session_id``, sent on
+    every new connection: what it uploaded survives a dropped connection for
+    the worker's lease time, and a background thread sends heartbeats while
+    the session is idle so the lease does not run out under it.
     """
 
     def __init__(self, url: str | None = None, *, token: str | None = None, device: str = "auto",
                  timeout: float | None = 300.0, connect_timeout: float = 5.0,
-                 transport: Transport | None = None, retry_after: float = 1.0) -> None:
+                 transport: Transport | None = None, retry_after: float = 1.0,
+                 tls_ca: str | None = None) -> None:
         env = from_env()
         self.url = url or env.url
+        self.session_id = secrets.token_urlsafe(24)  # 192 random bits; a capability on the worker
+        self._tls_ca = tls_ca
+        self._lease_s: float | None = None
+        self._last_request = time.monotonic()
+        self._heartbeat_stop = threading.Event()
         self.device = device
         self._token = token if token is not None else env.token
         self._timeout = timeout
@@ -71,6 +86,12 @@ class Session:
     def close(self) -> None:
         """Close the connection and stop the embedded worker if this session started one."""
         with self._lock:
+            self._heartbeat_stop.set()
+            if not self._closed and getattr(self._transport, "connected", False):
+                try:  # free what this session holds now, instead of after the lease
+                    self._transport.request(m.encode(m.Detach()))
+                except errors.RemoteError:
+                    pass
             self._closed = True
             if self._transport is not None:
                 self._transport.close()
@@ -93,8 +114,46 @@ class Session:
                 self._embedded = EmbeddedWorker(self.device)
                 url, token = self._embedded.url, self._embedded.token
             self._transport = TcpTransport(url, token, protocol=m.PROTOCOL_VERSION,
-                                           connect_timeout=self._connect_timeout, timeout=self._timeout)
+                                           connect_timeout=self._connect_timeout, timeout=self._timeout,
+                                           tls=client_context(self._tls_ca) if self._tls_ca else None,
+                                           on_connect=self._attach)
         return self._transport
+
+    # ------------------------------------------------------------------ the worker-side session
+    def _attach(self, ask) -> None:
+        """On each new connection: name this session, learn whether the worker still holds it."""
+        try:
+            reply = m.decode(ask(m.encode(m.Attach(self.session_id))))
+        except (ValueError, TypeError) as exc:
+            raise errors.ProtocolError(f"unreadable reply from the worker: {exc}") from None
+        if isinstance(reply, m.ErrorReply):
+            if reply.kind == errors.ProtocolError.kind:
+                return  # a worker without sessions beyond a connection: plain behaviour
+            raise errors.from_reply(reply.kind, reply.message, reply.traceback)
+        if not isinstance(reply, m.AttachReply):
+            raise errors.ProtocolError(f"worker answered Attach with {type(reply).__name__}")
+        if not reply.resumed:  # a new session (worker restarted, or the lease ran out): upload again
+            self._graphs_on_worker.clear()
+            self._tensors_on_worker.clear()
+        if self._lease_s is None:
+            threading.Thread(target=_heartbeats, args=(weakref.ref(self), self._heartbeat_stop),
+                             name="remotorch-heartbeat", daemon=True).start()
+        self._lease_s = reply.lease_s
+
+    def _heartbeat(self) -> None:
+        """Keep the lease alive if the session is idle; never opens a connection or waits on a call."""
+        if not self._lock.acquire(blocking=False):
+            return  # a call is running: that keeps the lease alive
+        try:
+            transport = self._transport
+            if self._closed or transport is None or not getattr(transport, "connected", False):
+                return
+            self._last_request = time.monotonic()
+            transport.request(m.encode(m.Heartbeat()))
+        except errors.RemoteError as exc:
+            log.debug("heartbeat failed: %s", exc)
+        finally:
+            self._lock.release()
 
     # ------------------------------------------------------------------ queries
     def stats(self) -> dict:
@@ -213,6 +272,7 @@ class Session:
             raise errors.WorkerUnavailableError(f"worker {self.url or 'local'} failed moments ago; "
                                                 f"not retrying for {self._retry_after}s")
         transport = self._get_transport()
+        self._last_request = time.monotonic()
         try:
             header, out = transport.request(m.encode(body), frames)
         except errors.WorkerUnavailableError:
@@ -225,6 +285,22 @@ class Session:
         if isinstance(reply, m.ErrorReply):
             raise errors.from_reply(reply.kind, reply.message, reply.traceback, reply.graphs, reply.tensors)
         return reply, out
+
+
+def _heartbeats(ref: weakref.ref, stop: threading.Event) -> None:
+    """Background thread: a heartbeat whenever the session was idle a third of its lease."""
+    while True:
+        session = ref()
+        if session is None or stop.is_set():
+            return
+        interval = max((session._lease_s or 30.0) / 3, 0.05)
+        wait = session._last_request + interval - time.monotonic()
+        if wait <= 0:
+            session._heartbeat()
+            wait = interval
+        del session
+        if stop.wait(wait):
+            return
 
 
 def _scalar(a):

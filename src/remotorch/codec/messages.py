@@ -80,6 +80,35 @@ class Echo(msgspec.Struct, frozen=True, tag="echo"):
 Request = Union[Health, PutGraph, PutTensors, RunGraph, Echo]
 
 
+# ------------------------------------------------------- sessions beyond a connection
+class Attach(msgspec.Struct, frozen=True, tag="attach"):
+    """Serve this connection as the session ``session_id`` (kept for the lease after a drop).
+
+    Sent first on every new connection by clients that want their uploads to
+    survive a reconnect; the id is a random secret of the client.
+    """
+
+    session_id: str
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
+    """Keep an idle attached session's lease alive (answered ``Ok``)."""
+
+
+class Detach(msgspec.Struct, frozen=True, tag="detach"):
+    """End this connection's attached session now: the worker frees what it held (answered ``Ok``)."""
+
+
+class AttachReply(msgspec.Struct, frozen=True, tag="attach_reply"):
+    """``resumed``: the worker still held this session; ``lease_s``: how long it keeps an idle one."""
+
+    resumed: bool
+    lease_s: float
+
+
+Request = Union[Request, Attach, Heartbeat, Detach]
+
+
 # ------------------------------------------------------------------------ replies
 class HealthReply(msgspec.Struct, frozen=True, tag="health_reply"):
     name: str
@@ -118,6 +147,7 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
 
 
 Reply = Union[HealthReply, Ok, RunReply, EchoReply, ErrorReply]
+Reply = Union[Reply, AttachReply]
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True):

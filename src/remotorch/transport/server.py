@@ -15,10 +15,12 @@ import logging
 import queue
 import selectors
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 
 from .framing import AuthFailed, FramedChannel, FramingError, server_handshake
+from .tls import wrap_server
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,8 @@ class TcpServer:
     def __init__(self, handler: Handler, host: str, port: int, token: str | None, *, protocol: int,
                  max_frame: int, max_header: int = 64 << 20, message_timeout: float = 60.0,
                  on_disconnect: Callable[[int], None] | None = None,
-                 protocol_error: Callable[[str], bytes] | None = None) -> None:
+                 protocol_error: Callable[[str], bytes] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self._handler = handler
         self._token = (token or "").encode()
         self._protocol = protocol
@@ -41,6 +44,7 @@ class TcpServer:
         self._message_timeout = message_timeout
         self._on_disconnect = on_disconnect
         self._protocol_error = protocol_error
+        self._tls = tls
         self._sock = socket.create_server((host, port), backlog=128)
         self.address = self._sock.getsockname()[:2]
         self._closing = threading.Event()
@@ -71,6 +75,8 @@ class TcpServer:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(30.0)
+            if self._tls is not None:
+                conn = wrap_server(self._tls, conn)
             key = server_handshake(conn, self._token, self._protocol)
         except AuthFailed as exc:
             log.warning("connection %d from %s refused: %s", cid, peer, exc)
@@ -134,6 +140,8 @@ class TcpServer:
             log.warning("connection %d dropped: %s", cid, exc)
         except (FramingError, ConnectionError, OSError) as exc:
             log.debug("connection %d closed: %s", cid, exc)
+        except MemoryError:  # a message too large to hold: drop its connection, keep serving
+            log.warning("connection %d dropped: no memory to receive its message", cid)
         self._drop(sel, cid)
 
     def _drop(self, sel: selectors.BaseSelector, cid: int) -> None:
@@ -148,6 +156,15 @@ class TcpServer:
             pass
         if self._on_disconnect:
             self._on_disconnect(cid)
+
+    def close_connection(self, cid: int) -> None:
+        """Close one connection from any thread; the loop then drops it (and calls on_disconnect)."""
+        channel = self._channels.get(cid)
+        if channel is not None:
+            try:
+                channel.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def shutdown(self) -> None:
         """Stop accepting and serving; safe from any thread or a signal handler."""

@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import urlparse
 
 from ..errors import AuthenticationError, ProtocolError, WorkerUnavailableError
 from .base import Buffer, Transport
 from .framing import AuthFailed, FramedChannel, FramingError, client_handshake
+from .tls import client_context, wrap_client
 
 DEFAULT_MAX_FRAME = 1 << 40
 
 
 def parse_url(url: str) -> tuple[str, int]:
-    """``tcp://host:port`` → (host, port); raises ValueError for anything else."""
+    """``tcp://host:port`` or ``tls://host:port`` → (host, port); raises ValueError for anything else."""
     parsed = urlparse(url)
-    if parsed.scheme != "tcp" or not parsed.hostname or parsed.port is None:
-        raise ValueError(f"worker address must look like tcp://host:port, got {url!r}")
+    if parsed.scheme not in ("tcp", "tls") or not parsed.hostname or parsed.port is None:
+        raise ValueError(f"worker address must look like tcp://host:port or tls://host:port, got {url!r}")
     return parsed.hostname, parsed.port
+
+
+# on_connect(ask): called on every new connection before the first request;
+# ask(header) sends one message on it and returns the reply's header.
+OnConnect = Callable[[Callable[[bytes], bytes]], None]
 
 
 class TcpTransport(Transport):
@@ -27,12 +34,21 @@ class TcpTransport(Transport):
 
     The connection opens on the first request, not in the constructor, so
     creating a session for a worker that is down does not fail by itself.
+    A ``tls://`` address (or a ``tls`` context) wraps the socket in TLS,
+    verifying the worker's certificate, before the token handshake.
+    ``on_connect`` runs on each new connection before the first request
+    (the session uses it to re-attach to its session on the worker).
     """
 
     def __init__(self, url: str, token: str | None = None, *, protocol: int,
-                 connect_timeout: float = 5.0, timeout: float | None = 300.0) -> None:
+                 connect_timeout: float = 5.0, timeout: float | None = 300.0,
+                 tls: ssl.SSLContext | None = None, on_connect: OnConnect | None = None) -> None:
         self.url = url
         self.host, self.port = parse_url(url)
+        if tls is None and url.startswith("tls://"):
+            tls = client_context()
+        self._tls = tls
+        self.on_connect = on_connect
         self._token = (token or "").encode()
         self._protocol = protocol
         self.connect_timeout = connect_timeout
@@ -49,7 +65,16 @@ class TcpTransport(Transport):
             raise WorkerUnavailableError(f"no worker at {self.url}: {exc}") from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock = wrap_client(self._tls, sock, self.host)
             key = client_handshake(sock, self._token, self._protocol)
+        except ssl.SSLCertVerificationError as exc:
+            sock.close()
+            raise AuthenticationError(f"{self.url}: the worker's TLS certificate is not trusted: "
+                                      f"{exc.verify_message}") from exc
+        except ssl.SSLError as exc:
+            sock.close()
+            raise ProtocolError(f"{self.url}: TLS failed: {exc}") from exc
         except AuthFailed as exc:
             sock.close()
             raise AuthenticationError(f"{self.url}: {exc}") from exc
@@ -60,7 +85,35 @@ class TcpTransport(Transport):
             sock.close()
             raise WorkerUnavailableError(f"worker at {self.url} dropped the handshake: {exc}") from exc
         sock.settimeout(self.timeout)
-        return FramedChannel(sock, key, max_frame=DEFAULT_MAX_FRAME, max_header=DEFAULT_MAX_FRAME)
+        channel = FramedChannel(sock, key, max_frame=DEFAULT_MAX_FRAME, max_header=DEFAULT_MAX_FRAME)
+        if self.on_connect is not None:
+            try:
+                self.on_connect(lambda header: self._greet(channel, header))
+            except BaseException:
+                sock.close()
+                raise
+        return channel
+
+    def _greet(self, channel: FramedChannel, header: bytes) -> bytes:
+        """One exchange on a connection still being set up (errors mapped as in :meth:`request`)."""
+        try:
+            self.bytes_sent += channel.send(header)
+            reply, _, nbytes = channel.recv()
+        except socket.timeout as exc:
+            raise WorkerUnavailableError(f"worker at {self.url} did not answer within {self.timeout}s") from exc
+        except AuthFailed as exc:
+            raise AuthenticationError(f"{self.url}: {exc}") from exc
+        except FramingError as exc:
+            raise ProtocolError(f"{self.url}: {exc}") from exc
+        except (OSError, ConnectionError) as exc:
+            raise WorkerUnavailableError(f"lost the connection to {self.url}: {exc}") from exc
+        self.bytes_received += nbytes
+        return reply
+
+    @property
+    def connected(self) -> bool:
+        """True while a connection is open (no I/O)."""
+        return self._channel is not None
 
     def request(self, header: bytes, frames: Sequence[Buffer] = ()) -> tuple[bytes, list]:
         with self._lock:

@@ -1,13 +1,17 @@
 """Content-addressed objects shared by sessions, each session seeing only its own.
 
 A session can reference an id only after it uploaded the bytes itself, so the
-shared cache tells nobody what others hold. Objects are freed when the last
-session that uploaded them goes away.
+shared cache tells nobody what others hold. When the last session that
+uploaded an object goes away, the object moves to a bounded cache of objects
+no session uses (least recently orphaned evicted first, and evicted before any
+session's memory when memory runs short); a session that uploads the same bytes
+again adopts it from there (a compiled graph stays compiled).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,21 +27,62 @@ class _Entry:
 class SharedStore:
     """Objects by content id, with per-session visibility and reference counting."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_bytes: int = 0) -> None:
         self._entries: dict[str, _Entry] = {}
         self._by_session: dict[object, set[str]] = {}
         self._lock = threading.Lock()
         self.total_bytes = 0
+        self.keep_bytes = keep_bytes  # bound of the cache of objects no session holds
+        self._orphans: OrderedDict[str, _Entry] = OrderedDict()
+        self.orphan_bytes = 0
 
     def put(self, session: object, key: str, value: Any, nbytes: int) -> None:
         """Add (or re-reference) an object for a session."""
         with self._lock:
-            entry = self._entries.get(key)
+            entry = self._entries.get(key) or self._revive(key)
             if entry is None:
                 entry = self._entries[key] = _Entry(value, nbytes)
                 self.total_bytes += nbytes
             entry.holders.add(session)
             self._by_session.setdefault(session, set()).add(key)
+
+    def adopt(self, session: object, key: str) -> bool:
+        """Let a session hold an object that is already stored (live or cached); False if absent.
+
+        Callers adopt only after verifying that the session sent the object's
+        bytes (content id recomputed), so adopting reveals nothing the session
+        did not already have.
+        """
+        with self._lock:
+            entry = self._entries.get(key) or self._revive(key)
+            if entry is None:
+                return False
+            entry.holders.add(session)
+            self._by_session.setdefault(session, set()).add(key)
+            return True
+
+    def _revive(self, key: str) -> _Entry | None:
+        entry = self._orphans.pop(key, None)
+        if entry is not None:
+            self.orphan_bytes -= entry.nbytes
+            self._entries[key] = entry
+            self.total_bytes += entry.nbytes
+        return entry
+
+    def evict(self, nbytes: int | None = None) -> int:
+        """Free cached objects no session holds, oldest first, until ``nbytes`` are freed (all if None)."""
+        freed = 0
+        with self._lock:
+            while self._orphans and (nbytes is None or freed < nbytes):
+                _, entry = self._orphans.popitem(last=False)
+                self.orphan_bytes -= entry.nbytes
+                freed += entry.nbytes
+        return freed
+
+    def session_keys(self, session: object) -> frozenset[str]:
+        """The ids a session holds (a copy)."""
+        with self._lock:
+            return frozenset(self._by_session.get(session, ()))
 
     def get(self, session: object, key: str) -> Any:
         """The object if this session holds it, else KeyError."""
@@ -56,7 +101,7 @@ class SharedStore:
             return sum(self._entries[k].nbytes for k in self._by_session.get(session, ()))
 
     def drop_session(self, session: object) -> list[str]:
-        """Forget a session; returns the keys whose last holder it was (now freed)."""
+        """Forget a session; returns the keys whose last holder it was (now cached or freed)."""
         freed = []
         with self._lock:
             for key in self._by_session.pop(session, set()):
@@ -66,6 +111,12 @@ class SharedStore:
                     del self._entries[key]
                     self.total_bytes -= entry.nbytes
                     freed.append(key)
+                    if 0 < entry.nbytes <= self.keep_bytes:
+                        self._orphans[key] = entry
+                        self.orphan_bytes += entry.nbytes
+            while self.orphan_bytes > self.keep_bytes:
+                _, entry = self._orphans.popitem(last=False)
+                self.orphan_bytes -= entry.nbytes
         return freed
 
     def __len__(self) -> int:

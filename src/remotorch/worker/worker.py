@@ -18,8 +18,9 @@ from ..codec.graph import DecodedGraph, decode_graph, graph_id
 from ..codec.messages import TensorMeta
 from ..codec.tensors import content_id, dtype_from_name, tensor_from_wire
 from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsError,
-                      RemoteOutOfMemoryError, UnsupportedGraphError, WorkerError)
-from . import engines
+                      RemoteOutOfMemoryError, RequestTimeoutError, UnsupportedGraphError, WorkerError)
+from . import engines, quota
+from .deadline import DeadlineExpired, deadline
 from .store import SharedStore
 
 log = logging.getLogger(__name__)
@@ -57,10 +58,14 @@ class _Graph:
 
 @dataclass(frozen=True)
 class Limits:
-    """Size limits a worker enforces on every request."""
+    """Size, memory and time limits a worker enforces on every request."""
 
     max_tensor_bytes: int = 1 << 36
     max_graph_bytes: int = 256 << 20
+    memory_quota: int | None = None  # bytes one session may hold (resident tensors, graphs)
+    memory_limit: int | None = None  # bytes all sessions and the cache may hold together
+    cache_bytes: int = 1 << 30  # per store: objects no session holds, kept for re-adoption
+    request_timeout: float | None = None  # seconds one graph may run (checked between operators)
 
 
 class Worker:
@@ -72,8 +77,8 @@ class Worker:
         self.name = name
         self.limits = limits
         self.engines = engines.available(self.device)
-        self._graphs = SharedStore()
-        self._tensors = SharedStore()
+        self._graphs = SharedStore(limits.cache_bytes)
+        self._tensors = SharedStore(limits.cache_bytes)
 
     # ------------------------------------------------------------------ sessions
     def close_session(self, session: object) -> None:
@@ -85,6 +90,19 @@ class Worker:
         return {"name": self.name, "device": str(self.device), "torch_version": str(torch.__version__),
                 "engines": list(self.engines),
                 "resident_bytes": self._tensors.total_bytes}
+
+    def memory(self) -> dict:
+        """Bytes held by sessions and cached for nobody, per store (graphs count documents and constants)."""
+        return {"tensor_bytes": self._tensors.total_bytes, "graph_bytes": self._graphs.total_bytes,
+                "cached_bytes": self._tensors.orphan_bytes + self._graphs.orphan_bytes}
+
+    def session_bytes(self, session: object) -> int:
+        """Bytes a session holds on this worker (what its memory quota counts)."""
+        return self._tensors.session_bytes(session) + self._graphs.session_bytes(session)
+
+    def _reserve(self, session: object, nbytes: int) -> None:
+        quota.reserve((self._tensors, self._graphs), session, nbytes,
+                      quota=self.limits.memory_quota, limit=self.limits.memory_limit)
 
     # ------------------------------------------------------------------- uploads
     def put_graph(self, session: object, gid: str, doc: bytes, consts: list[TensorMeta], frames) -> None:
@@ -98,19 +116,28 @@ class Worker:
         if graph_id(doc, consts, frames) != gid:
             raise InvalidRequestError("graph id does not match its content")
         if self._graphs.missing(session, [gid]):
+            self._reserve(session, size)
+            if self._graphs.adopt(session, gid):  # same verified bytes: reuse (compiled engines too)
+                return
             tensors = [self.wire_tensor(m, frames) for m in consts]
             decoded = decode_graph(doc, tensors, self.device)
-            self._graphs.put(session, gid, _Graph.build(decoded), len(doc))
+            self._graphs.put(session, gid, _Graph.build(decoded), size)
 
     def put_tensors(self, session: object, ids: list[str], metas: list[TensorMeta], frames) -> None:
         """Store resident tensors under their content ids (verified, then moved to the device)."""
         if len(ids) != len(metas):
             raise InvalidRequestError("tensor ids and metas disagree")
+        held = self._tensors.session_keys(session)
+        new = {tid: frames[meta.frame].nbytes for tid, meta in zip(ids, metas)
+               if tid not in held and 0 <= meta.frame < len(frames)}
+        self._reserve(session, sum(new.values()))
         for tid, meta in zip(ids, metas):
             if not 0 <= meta.frame < len(frames):
                 raise InvalidRequestError("tensor names a frame the message does not have")
             if content_id(meta, memoryview(frames[meta.frame])) != tid:
                 raise InvalidRequestError(f"tensor id {tid[:16]}… does not match its content")
+            if self._tensors.adopt(session, tid):
+                continue
             tensor = self.wire_tensor(meta, frames).to(self.device)
             self._tensors.put(session, tid, tensor, tensor.numel() * tensor.element_size())
 
@@ -139,22 +166,44 @@ class Worker:
         self._check_args(graph, values)
         fn, compiled = self._compiled(graph, engine, values)
         try:
-            with torch.no_grad():
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                start = time.perf_counter()
-                out = fn(*values)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                ms = (time.perf_counter() - start) * 1e3
-        except (torch.OutOfMemoryError, MemoryError) as exc:
-            raise RemoteOutOfMemoryError(f"out of memory running graph: {exc}",
-                                         remote_traceback=traceback.format_exc()) from None
-        except Exception as exc:
-            raise WorkerError(f"graph failed on {engine}: {type(exc).__name__}: {exc}",
-                              remote_traceback=traceback.format_exc()) from None
+            out, ms = self._call_with_retry(fn, values, engine)
+        except DeadlineExpired:
+            raise RequestTimeoutError(f"graph ran longer than the worker's request timeout of "
+                                      f"{self.limits.request_timeout:g}s and was stopped") from None
         outs = list(out) if isinstance(out, (list, tuple)) else [out]
         return outs, ms, compiled
+
+    def _call_with_retry(self, fn, values: list, engine: str) -> tuple:
+        """Run once; out of memory evicts cached objects no session holds and runs once more."""
+        try:
+            return self._call(fn, values)
+        except Exception as exc:
+            if not quota.is_out_of_memory(exc) or not quota.release_cached(
+                    (self._tensors, self._graphs), self.device):
+                raise self._run_error(exc, engine) from None
+        try:
+            return self._call(fn, values)
+        except Exception as exc:
+            raise self._run_error(exc, engine) from None
+
+    def _call(self, fn, values: list) -> tuple:
+        with torch.no_grad(), deadline(self.limits.request_timeout):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            out = fn(*values)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return out, (time.perf_counter() - start) * 1e3
+
+    @staticmethod
+    def _run_error(exc: BaseException, engine: str) -> WorkerError:
+        """The typed error for a graph that raised (out of memory, or anything else)."""
+        tb = "".join(traceback.format_exception(exc))
+        if quota.is_out_of_memory(exc):
+            return RemoteOutOfMemoryError(f"out of memory running graph: {type(exc).__name__}: {exc}",
+                                          remote_traceback=tb)
+        return WorkerError(f"graph failed on {engine}: {type(exc).__name__}: {exc}", remote_traceback=tb)
 
     def _compiled(self, graph: _Graph, engine: str, values: list):
         fn = graph.compiled.get(engine)
