@@ -43,7 +43,7 @@ class ServerProcess:
 
     @property
     def host(self) -> str:
-        return self.url.removeprefix("tcp://").rsplit(":", 1)[0]
+        return self.url.split("://", 1)[1].rsplit(":", 1)[0]
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -109,7 +109,7 @@ def spawn_server(*, token: str | None = TOKEN, name: str = "test", extra_args: t
     drain = threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True)  # type: ignore[union-attr]
     drain.start()
     url = found[0]
-    assert url.startswith("tcp://127.0.0.1:"), url
+    assert url.startswith(("tcp://127.0.0.1:", "tls://127.0.0.1:")), url
     return ServerProcess(proc, url, token, name, stderr_path, [drain])
 
 

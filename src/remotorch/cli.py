@@ -20,6 +20,39 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(text: str) -> int:
+    """A byte count: an integer with an optional K, M, G or T suffix (powers of 1024)."""
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in _UNITS else ""
+    try:
+        value = float(text[:len(text) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 8G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("a size cannot be negative")
+    return int(value * _UNITS[unit])
+
+
+def _limits(args: argparse.Namespace):
+    from .worker.worker import Limits
+
+    given = {name: getattr(args, name) for name in ("max_tensor_bytes", "max_graph_bytes", "memory_quota",
+                                                    "memory_limit", "cache_bytes", "request_timeout")
+             if getattr(args, name) is not None}
+    return Limits(**given)
+
+
+def _tls(args: argparse.Namespace):
+    if not args.tls_cert:
+        return None
+    from .transport.tls import server_context
+
+    return server_context(args.tls_cert, args.tls_key)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from .server import WorkerServer
     from .worker import Worker
@@ -35,11 +68,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import torch
         torch.set_num_threads(args.threads)
     try:
-        worker = Worker(args.device, name=args.name)
-    except ValueError as exc:
+        worker = Worker(args.device, name=args.name, limits=_limits(args))
+        tls = _tls(args)
+    except (ValueError, OSError) as exc:
         print(f"remotorch serve: {exc}", file=sys.stderr)
         return 2
-    server = WorkerServer(worker, args.host, args.port, token)
+    server = WorkerServer(worker, args.host, args.port, token, max_message_bytes=args.max_message_bytes,
+                          lease_s=args.lease, tls=tls)
     signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
     if args.exit_on_stdin_close:
         def watch() -> None:
@@ -61,7 +96,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     from .session import Session
 
     with Session(args.url, token=args.token, connect_timeout=args.timeout, timeout=args.timeout,
-                 retry_after=0.0) as session:
+                 retry_after=0.0, tls_ca=args.tls_ca) as session:
         try:
             info = session.health()
         except RemoteError as exc:
@@ -95,12 +130,31 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CPU threads for graph kernels (default: torch's choice)")
     serve.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without a token")
     serve.add_argument("--exit-on-stdin-close", action="store_true", help=argparse.SUPPRESS)
+    serve.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve tls:// (encrypted)")
+    serve.add_argument("--tls-key", default=None, help="PEM private key (if not in --tls-cert)")
+    serve.add_argument("--memory-quota", type=_size, default=None,
+                       help="bytes one session may hold (weights, graphs), e.g. 4G; default: no quota")
+    serve.add_argument("--memory-limit", type=_size, default=None,
+                       help="bytes all sessions and the cache may hold together; default: no limit")
+    serve.add_argument("--cache-bytes", type=_size, default=None,
+                       help="bytes of objects no session holds kept for re-use, per kind (default 1G)")
+    serve.add_argument("--max-message-bytes", type=_size, default=None,
+                       help="largest request accepted (header and frames); default: no limit")
+    serve.add_argument("--max-graph-bytes", type=_size, default=None,
+                       help="largest graph document with its constants (default 256M)")
+    serve.add_argument("--max-tensor-bytes", type=_size, default=None,
+                       help="largest single tensor (default 64G)")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds one graph may run before it is stopped; default: no limit")
+    serve.add_argument("--lease", type=float, default=30.0,
+                       help="seconds a session outlives its connection or its last heartbeat (default 30)")
     serve.set_defaults(fn=cmd_serve)
 
     health = sub.add_parser("health", help="ask a worker whether it is up and what it offers")
     health.add_argument("url", help="tcp://host:port")
     health.add_argument("--token", default=None)
     health.add_argument("--timeout", type=float, default=5.0)
+    health.add_argument("--tls-ca", default=None, help="CA certificate (PEM) to check a tls:// worker against")
     health.set_defaults(fn=cmd_health)
 
     demo = sub.add_parser("demo", help="run example models on the embedded worker")

@@ -118,6 +118,7 @@ class HealthReply(msgspec.Struct, frozen=True, tag="health_reply"):
     protocol: int
     sessions: int = 0
     resident_bytes: int = 0
+    cached_bytes: int = 0  # objects no session holds, kept for re-use (evicted first)
 
 
 class Ok(msgspec.Struct, frozen=True, tag="ok"):

@@ -89,7 +89,8 @@ class Worker:
     def info(self) -> dict:
         return {"name": self.name, "device": str(self.device), "torch_version": str(torch.__version__),
                 "engines": list(self.engines),
-                "resident_bytes": self._tensors.total_bytes}
+                "resident_bytes": self._tensors.total_bytes,
+                "cached_bytes": self._tensors.orphan_bytes + self._graphs.orphan_bytes}
 
     def memory(self) -> dict:
         """Bytes held by sessions and cached for nobody, per store (graphs count documents and constants)."""
