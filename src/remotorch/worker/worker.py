@@ -128,6 +128,10 @@ class Worker:
         """Store resident tensors under their content ids (verified, then moved to the device)."""
         if len(ids) != len(metas):
             raise InvalidRequestError("tensor ids and metas disagree")
+        for f in frames:
+            if f.nbytes > self.limits.max_tensor_bytes:
+                raise LimitExceededError(f"tensor of {f.nbytes} bytes is over the worker's limit of "
+                                         f"{self.limits.max_tensor_bytes}")
         held = self._tensors.session_keys(session)
         new = {tid: frames[meta.frame].nbytes for tid, meta in zip(ids, metas)
                if tid not in held and 0 <= meta.frame < len(frames)}

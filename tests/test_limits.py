@@ -1,0 +1,219 @@
+"""Quotas and limits on a real worker: typed errors, cached objects evicted first, the worker keeps serving."""
+
+from __future__ import annotations
+
+import struct
+import warnings
+
+import pytest
+import torch
+
+import remotorch
+from remotorch import errors
+from remotorch.codec import messages as m
+from remotorch.codec.tensors import content_id, tensor_to_wire
+from remotorch.transport import TcpTransport, framing
+
+from conftest import TOKEN, spawn_server, wait_until
+
+MiB = 1 << 20
+LIMIT_ARGS = ("--memory-quota", "1M", "--memory-limit", "3M", "--cache-bytes", "2M",
+              "--max-message-bytes", "4M", "--max-graph-bytes", "256K", "--max-tensor-bytes", "2M",
+              "--request-timeout", "0.5")
+
+
+@pytest.fixture(scope="module")
+def limited():
+    srv = spawn_server(name="limited", extra_args=LIMIT_ARGS)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def sessions(limited):
+    made = []
+
+    def make(**kw) -> remotorch.Session:
+        s = remotorch.Session(limited.url, token=TOKEN, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+    assert limited.alive(), limited.stderr_text()[-3000:]
+
+
+def put(session: remotorch.Session, *tensors: torch.Tensor) -> list[str]:
+    """Upload tensors as residents of this session; returns their ids."""
+    metas, frames, ids = [], [], []
+    for t in tensors:
+        meta, buf = tensor_to_wire(t, len(frames))
+        metas.append(meta)
+        frames.append(buf)
+        ids.append(content_id(meta, buf))
+    session._request(m.PutTensors(ids, metas), frames)
+    return ids
+
+
+def weights(mib: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(int(mib * MiB) // 4, generator=g)
+
+
+def check_serving(session: remotorch.Session) -> None:
+    compiled = remotorch.compile(lambda a: a * 2 + 1, session=session, fallback="raise")
+    x = torch.randn(7)
+    assert torch.equal(compiled(x), x * 2 + 1)
+
+
+# ----------------------------------------------------------------------- quota
+def test_session_over_its_quota_gets_quota_exceeded(sessions):
+    s = sessions()
+    torch.manual_seed(0)
+    big = torch.nn.Linear(600, 600).eval()  # 1.44 MB of weights, quota is 1 MiB
+    compiled = remotorch.compile(big, session=s, fallback="raise")
+    with pytest.raises(errors.QuotaExceededError, match="quota") as info, torch.no_grad():
+        compiled(torch.randn(2, 600))
+    assert isinstance(info.value, errors.LimitExceededError)
+    assert s.health()["resident_bytes"] == 0  # refused whole: nothing of it was stored
+    check_serving(s)  # the same session still works under its quota
+
+
+def test_quota_with_local_fallback_runs_locally(sessions):
+    s = sessions()
+    torch.manual_seed(1)
+    big = torch.nn.Linear(600, 600).eval()
+    compiled = remotorch.compile(big, session=s, fallback="local")
+    x = torch.randn(2, 600)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        assert torch.equal(compiled(x), big(x))
+    assert any(issubclass(w.category, errors.RemoteFallbackWarning) and "QuotaExceeded" in str(w.message)
+               for w in caught)
+
+
+def test_quota_counts_shared_content_in_full_for_each_session(sessions):
+    a, b = sessions(), sessions()
+    shared = weights(0.6, seed=2)
+    put(a, shared)
+    put(b, shared)  # b holds the same bytes: within its own quota, whatever a holds
+    put(b, weights(0.3, seed=3))
+    with pytest.raises(errors.QuotaExceededError):
+        put(a, weights(0.6, seed=4))  # a would hold 1.2 MiB
+    put(a, weights(0.3, seed=5))  # but this fits
+
+
+# -------------------------------------------------- worker memory limit and eviction
+def test_cached_objects_no_session_uses_are_evicted_first(sessions):
+    observer = sessions()
+    base = observer.health()
+    assert base["resident_bytes"] == 0, "another test left residents behind"
+    leaver = sessions()
+    put(leaver, weights(0.9, seed=10))
+    leaver.close()  # Detach: freed now, kept in the cache for whoever uploads the same bytes
+    assert wait_until(lambda: observer.health()["cached_bytes"] >= weights(0.9, 0).nbytes)
+
+    holders = [sessions() for _ in range(3)]
+    for i, s in enumerate(holders):  # 2.7 MiB held + 0.9 MiB cached > 3 MiB: the cache goes first
+        put(s, weights(0.9, seed=20 + i))
+    health = observer.health()
+    assert health["resident_bytes"] == 3 * weights(0.9, 0).nbytes
+    assert health["cached_bytes"] < weights(0.9, 0).nbytes  # the cached tensor is gone
+
+    with pytest.raises(errors.QuotaExceededError, match="memory limit"):
+        put(sessions(), weights(0.9, seed=30))  # nothing cached is left to evict
+    for s in holders:
+        check_serving(s)
+
+
+def test_reuploaded_bytes_are_adopted_from_the_cache(sessions):
+    observer = sessions()
+    first = sessions()
+    w = weights(0.5, seed=40)
+    put(first, w)
+    first.close()
+    assert wait_until(lambda: observer.health()["cached_bytes"] >= w.nbytes)
+    cached = observer.health()["cached_bytes"]
+    again = sessions()
+    put(again, w)  # the same bytes, sent again (ids are verified), now held by this session
+    health = observer.health()
+    assert health["cached_bytes"] == cached - w.nbytes
+    assert health["resident_bytes"] == w.nbytes
+
+
+# ------------------------------------------------------------------ size limits
+def test_message_size_limits(limited):
+    transport = TcpTransport(limited.url, TOKEN, protocol=m.PROTOCOL_VERSION, timeout=30)
+    try:
+        header, _ = transport.request(m.encode(m.Echo()), [bytes(3 * MiB), bytes(3 * MiB)])
+        reply = m.decode(header)  # each frame fits, the message (6 MiB) does not
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "limit"
+        header, out = transport.request(m.encode(m.Echo()), [b"still here"])
+        assert bytes(out[0]) == b"still here"  # same connection, still serving
+
+        with pytest.raises((errors.ProtocolError, errors.WorkerUnavailableError)):
+            transport.request(m.encode(m.Echo()), [bytes(5 * MiB)])  # one frame over the limit
+    finally:
+        transport.close()
+
+
+def test_tensor_and_graph_size_limits(limited, sessions):
+    s = sessions()
+    with pytest.raises(errors.LimitExceededError, match="tensor of"):
+        put(s, weights(3, seed=50))  # 3 MiB tensor, limit 2 MiB (message limit 4 MiB)
+    big_doc = b"\x00" * (300 << 10)
+    gid = remotorch.codec.graph.graph_id(big_doc, [], [])
+    with pytest.raises(errors.LimitExceededError, match="graph of"):
+        s._request(m.PutGraph(gid, big_doc, []))
+    compiled = remotorch.compile(lambda a: a.sum(0), session=s, fallback="raise")
+    with pytest.raises(errors.LimitExceededError):
+        compiled(torch.randn(3 * MiB // 4 // 8, 8))  # an inline argument over the tensor limit
+    check_serving(s)
+
+
+# ------------------------------------------------------------------ time limit
+def slow(x: torch.Tensor) -> torch.Tensor:
+    for _ in range(100):
+        x = torch.tanh(x @ x)
+    return x
+
+
+def test_graph_over_the_request_timeout_is_stopped(sessions):
+    s = sessions(timeout=60)
+    compiled = remotorch.compile(slow, session=s, fallback="raise")
+    with pytest.raises(errors.RequestTimeoutError, match="request timeout"):
+        compiled(torch.randn(640, 640) / 640)
+    check_serving(s)
+
+
+# ---------------------------------------------------------------- out of memory
+def test_out_of_memory_in_a_graph_is_an_error_reply(sessions):
+    s = sessions()
+
+    def hungry(x):
+        return torch.ones(1 << 42) .sum() + x  # 16 TiB: the allocator refuses
+
+    compiled = remotorch.compile(hungry, session=s, fallback="raise")
+    with pytest.raises(errors.RemoteOutOfMemoryError, match="out of memory"):
+        compiled(torch.randn(3))
+    check_serving(s)
+
+
+def test_memory_error_receiving_a_huge_frame_drops_only_that_connection(server, session):
+    """A frame of 200 GiB passes the default frame limit; allocating it fails with MemoryError."""
+    import socket
+
+    sock = socket.create_connection((server.host, server.port), timeout=30)
+    with sock:
+        key = framing.client_handshake(sock, TOKEN.encode(), m.PROTOCOL_VERSION)
+        header = m.encode(m.Echo())
+        fixed = struct.pack("<4sQI", framing.MAGIC, 0, 2) + struct.pack("<2Q", len(header), 200 << 30)
+        sock.sendall(fixed + framing._mac(key, fixed, header) + header + b"x" * 1000)
+        sock.settimeout(30)
+        try:
+            assert sock.recv(1) == b""  # closed, no answer
+        except ConnectionResetError:
+            pass
+    assert server.alive()
+    assert session.health()["name"] == "test"
