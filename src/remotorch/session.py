@@ -135,10 +135,10 @@ class Session:
         if not reply.resumed:  # a new session (worker restarted, or the lease ran out): upload again
             self._graphs_on_worker.clear()
             self._tensors_on_worker.clear()
-        if self._lease_s is None:
+        first, self._lease_s = self._lease_s is None, reply.lease_s
+        if first:
             threading.Thread(target=_heartbeats, args=(weakref.ref(self), self._heartbeat_stop),
                              name="remotorch-heartbeat", daemon=True).start()
-        self._lease_s = reply.lease_s
 
     def _heartbeat(self) -> None:
         """Keep the lease alive if the session is idle; never opens a connection or waits on a call."""

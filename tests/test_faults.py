@@ -1,0 +1,235 @@
+"""Faults with real processes: a worker killed, frozen or stopped mid-call; a client killed or frozen.
+
+The worker side keeps a session for its lease after the connection drops
+(``--lease``), and frees it when the lease runs out; the client side turns a
+dead or silent worker into ``WorkerUnavailableError`` within its timeout, or
+into its local fallback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import remotorch
+from remotorch import errors
+from remotorch.codec import messages as m
+from remotorch.transport import TcpTransport
+
+from conftest import TOKEN, clean_env, spawn_server, wait_until
+
+LEASE = 1.0
+
+CLIENT = r"""
+import sys, time, torch, remotorch
+from remotorch.codec import messages as m
+from remotorch.codec.tensors import content_id, tensor_to_wire
+s = remotorch.Session(sys.argv[1], token=sys.argv[2])
+t = torch.randn(1 << 19)
+meta, buf = tensor_to_wire(t, 0)
+s._request(m.PutTensors([content_id(meta, buf)], [meta]), [buf])
+print("ready", flush=True)
+time.sleep(600)
+"""
+CLIENT_BYTES = (1 << 19) * 4
+
+
+@pytest.fixture(scope="module")
+def leased():
+    srv = spawn_server(name="leased", extra_args=("--lease", str(LEASE)))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def observer(leased):
+    s = remotorch.Session(leased.url, token=TOKEN)
+    assert wait_until(lambda: s.health()["resident_bytes"] == 0), "residents left over from another test"
+    yield s
+    s.close()
+
+
+def slow(x: torch.Tensor) -> torch.Tensor:
+    for _ in range(60):
+        x = torch.tanh(x @ x)
+    return x
+
+
+def in_thread(fn, *args):
+    """Run fn(*args) in a thread; returns a dict that gets 'value' or 'error' and 'at' (finish time)."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+        box["at"] = time.monotonic()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    box["thread"] = t
+    return box
+
+
+def start_client(url: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, url, TOKEN], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=clean_env())
+    assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+    return proc
+
+
+# ----------------------------------------------------------------- worker faults
+@pytest.mark.parametrize("fallback", ["raise", "local"])
+def test_worker_killed_mid_call(start_server, fallback):
+    srv = start_server(name="victim")
+    session = remotorch.Session(srv.url, token=TOKEN, timeout=120, retry_after=0)
+    try:
+        compiled = remotorch.compile(slow, session=session, fallback=fallback)
+        x = torch.randn(700, 700) / 700
+        expected = slow(x)
+        assert torch.allclose(compiled(x), expected, atol=1e-6)  # warm: uploaded and compiled
+        box = in_thread(compiled, x)
+        time.sleep(0.5)  # the call is running on the worker now
+        assert "at" not in box
+        srv.proc.kill()
+        killed = time.monotonic()
+        box["thread"].join(60)
+        assert box["at"] - killed < 10, "the client noticed the dead worker only at its timeout"
+        if fallback == "raise":
+            assert isinstance(box.get("error"), errors.WorkerUnavailableError), box
+        else:
+            assert torch.allclose(box["value"], expected, atol=1e-6)
+            assert session.stats()["fallbacks"] == 1
+    finally:
+        session.close()
+
+
+def test_frozen_worker_gives_unavailable_within_the_timeout(start_server):
+    srv = start_server(name="frozen")
+    session = remotorch.Session(srv.url, token=TOKEN, timeout=1.5, retry_after=0)
+    try:
+        compiled = remotorch.compile(lambda a: a + 1, session=session, fallback="raise")
+        x = torch.randn(4)
+        assert torch.equal(compiled(x), x + 1)
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(errors.WorkerUnavailableError, match="did not answer"):
+                compiled(x)
+            assert time.monotonic() - start < 5
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert torch.equal(compiled(x), x + 1)  # reconnects (the lease kept its uploads)
+    finally:
+        session.close()
+
+
+def test_sigterm_finishes_the_call_in_flight_and_exits_cleanly(start_server):
+    srv = start_server(name="terminated")
+    session = remotorch.Session(srv.url, token=TOKEN, timeout=120, retry_after=0)
+    idle = remotorch.Session(srv.url, token=TOKEN, timeout=30, retry_after=0)
+    try:
+        assert idle.health()["name"] == "terminated"
+        compiled = remotorch.compile(slow, session=session, fallback="raise")
+        x = torch.randn(700, 700) / 700
+        expected = slow(x)
+        assert torch.allclose(compiled(x), expected, atol=1e-6)
+        box = in_thread(compiled, x)
+        time.sleep(0.5)
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=60) == 0
+        box["thread"].join(60)
+        assert torch.allclose(box["value"], expected, atol=1e-6), box.get("error")  # finished, answered
+        assert "Traceback" not in srv.stderr_text()
+        with pytest.raises(errors.WorkerUnavailableError):
+            idle.health()
+    finally:
+        session.close()
+        idle.close()
+
+
+# ---------------------------------------------------------- sessions and leases
+def test_killed_client_is_freed_after_the_lease(leased, observer):
+    client = start_client(leased.url)
+    try:
+        assert observer.health()["resident_bytes"] == CLIENT_BYTES
+        client.kill()
+        client.wait()
+        killed = time.monotonic()
+        time.sleep(LEASE / 2)
+        assert observer.health()["resident_bytes"] == CLIENT_BYTES  # the lease holds it a while
+        assert wait_until(lambda: observer.health()["resident_bytes"] == 0, timeout=LEASE * 10)
+        assert time.monotonic() - killed >= LEASE * 0.9
+    finally:
+        client.kill()
+
+
+def test_frozen_client_without_heartbeats_is_expired(leased, observer):
+    client = start_client(leased.url)
+    try:
+        time.sleep(LEASE * 2)  # alive and idle: its heartbeats keep the lease
+        assert observer.health()["resident_bytes"] == CLIENT_BYTES
+        client.send_signal(signal.SIGSTOP)  # the connection stays open, the heartbeats stop
+        assert wait_until(lambda: observer.health()["resident_bytes"] == 0, timeout=LEASE * 10)
+    finally:
+        client.kill()
+
+
+def test_reconnect_within_the_lease_keeps_the_uploads(leased, observer):
+    session = remotorch.Session(leased.url, token=TOKEN)
+    try:
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).eval()
+        compiled = remotorch.compile(model, session=session, fallback="raise")
+        x = torch.randn(5, 32)
+        with torch.no_grad():
+            assert torch.equal(compiled(x), model(x))
+            uploaded = session.stats()["tensors_uploaded"]
+            session._transport.close()  # the connection drops
+            assert torch.equal(compiled(x), model(x))  # a new connection, the same session
+            assert session.stats()["tensors_uploaded"] == uploaded
+            assert session.stats()["graphs_uploaded"] == 1
+            time.sleep(LEASE * 3)  # idle for three leases: heartbeats keep it
+            assert torch.equal(compiled(x), model(x))
+            assert session.stats()["tensors_uploaded"] == uploaded
+    finally:
+        session.close()
+    assert wait_until(lambda: observer.health()["resident_bytes"] == 0, timeout=5)  # close frees at once
+
+
+def test_a_session_past_its_lease_starts_empty_and_re_uploads(leased, observer):
+    session = remotorch.Session(leased.url, token=TOKEN)
+    try:
+        compiled = remotorch.compile(torch.nn.Linear(8, 8).eval(), session=session, fallback="raise")
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            first = compiled(x)
+            session._heartbeat_stop.set()  # this client stops its heartbeats (the thread ends)
+            time.sleep(0.2)
+            session._transport.close()
+            assert wait_until(lambda: observer.health()["resident_bytes"] == 0, timeout=LEASE * 10)
+            assert torch.equal(compiled(x), first)  # Attach says "new": everything goes up again
+        assert session.stats()["tensors_uploaded"] == 4
+        assert session.stats()["graphs_uploaded"] == 2
+    finally:
+        session.close()
+
+
+def test_unattached_connections_are_freed_when_they_close(leased, observer):
+    transport = TcpTransport(leased.url, TOKEN, protocol=m.PROTOCOL_VERSION)
+    t = torch.randn(1000)
+    meta, buf = remotorch.codec.tensors.tensor_to_wire(t, 0)
+    tid = remotorch.codec.tensors.content_id(meta, buf)
+    header, _ = transport.request(m.encode(m.PutTensors([tid], [meta])), [buf])
+    assert isinstance(m.decode(header), m.Ok)
+    assert observer.health()["resident_bytes"] == t.nbytes
+    transport.close()
+    assert wait_until(lambda: observer.health()["resident_bytes"] == 0, timeout=5)
