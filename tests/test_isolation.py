@@ -1,0 +1,130 @@
+"""One session can never read, run on, overwrite or free another's graphs and tensors.
+
+Objects are shared by content id between sessions, but a session sees an id
+only after uploading its bytes itself: the answers a session gets about ids it
+did not upload are the same whether or not anyone else holds them.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+import torch
+
+import remotorch
+from remotorch import errors
+from remotorch.codec import messages as m
+from remotorch.codec.tensors import content_id, tensor_to_wire
+from remotorch.transport import TcpTransport
+
+from conftest import TOKEN
+
+
+def model_and_owner(make_session, seed: int):
+    owner = make_session()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.ReLU(), torch.nn.Linear(30, 5)).eval()
+    compiled = remotorch.compile(model, session=owner, fallback="raise")
+    x = torch.randn(3, 20)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), model(x))
+    return owner, model, compiled, x
+
+
+def run_request(gid: str, tensor_ids: list[str], x: torch.Tensor) -> tuple[m.RunGraph, list]:
+    meta, buf = tensor_to_wire(x, 0)
+    return m.RunGraph(gid, "eager", [m.TensorArg(meta)] + [m.RefArg(t) for t in tensor_ids]), [buf]
+
+
+def ask(session: remotorch.Session, body, frames=()) -> m.ErrorReply | object:
+    """The worker's raw answer (errors as ErrorReply, not raised)."""
+    header, _ = session._get_transport().request(m.encode(body), frames)
+    return m.decode(header)
+
+
+def test_another_session_cannot_run_the_graph_even_with_the_weights(make_session):
+    owner, model, _, x = model_and_owner(make_session, 1)
+    (gid,) = owner._graphs_on_worker
+    tids = sorted(owner._tensors_on_worker)
+    other = make_session()
+    with pytest.raises(errors.MissingObjectsError) as info:
+        other._request(*run_request(gid, tids, x))
+    assert info.value.graphs == [gid] and sorted(info.value.tensors) == tids
+    # uploading the weights' bytes gives it the weights, not the graph it never sent
+    for p in model.parameters():
+        meta, buf = tensor_to_wire(p.detach(), 0)
+        other._request(m.PutTensors([content_id(meta, buf)], [meta]), [buf])
+    with pytest.raises(errors.MissingObjectsError) as info:
+        other._request(*run_request(gid, tids, x))
+    assert info.value.graphs == [gid] and info.value.tensors == []
+
+
+def test_answers_about_ids_held_by_others_equal_answers_about_ids_nobody_holds(make_session):
+    owner, _, _, x = model_and_owner(make_session, 2)
+    (gid,) = owner._graphs_on_worker
+    tids = sorted(owner._tensors_on_worker)
+    fake_gid, fake_tids = secrets.token_hex(32), [secrets.token_hex(32) for _ in tids]
+    other = make_session()
+    real = ask(other, *run_request(gid, tids, x))
+    fake = ask(other, *run_request(fake_gid, fake_tids, x))
+    assert isinstance(real, m.ErrorReply) and isinstance(fake, m.ErrorReply)
+    assert (real.kind, real.message, real.traceback) == (fake.kind, fake.message, fake.traceback)
+    assert (real.graphs, real.tensors) == ([gid], tids) and (fake.graphs, fake.tensors) == ([fake_gid], fake_tids)
+    health = other.health()
+    assert not any(gid in str(v) or any(t in str(v) for t in tids) for v in health.values())
+
+
+def test_another_session_cannot_put_other_bytes_under_an_owners_id(make_session):
+    owner, model, compiled, x = model_and_owner(make_session, 3)
+    (gid,) = owner._graphs_on_worker
+    tids = sorted(owner._tensors_on_worker)
+    other = make_session()
+    for tid in tids:
+        meta, buf = tensor_to_wire(torch.zeros(30, 20), 0)
+        with pytest.raises(errors.InvalidRequestError, match="does not match"):
+            other._request(m.PutTensors([tid], [meta]), [buf])
+    doc = m.encode(m.Health())  # any bytes that are not the owner's document
+    with pytest.raises(errors.InvalidRequestError, match="does not match"):
+        other._request(m.PutGraph(gid, doc, []))
+    with torch.no_grad():
+        assert torch.equal(compiled(x), model(x))  # the owner's objects are untouched
+
+
+def test_closing_a_session_never_frees_what_another_holds(make_session):
+    owner, model, compiled, x = model_and_owner(make_session, 4)
+    twin = make_session()
+    torch._dynamo.reset()
+    twin_compiled = remotorch.compile(model, session=twin, fallback="raise")
+    with torch.no_grad():
+        assert torch.equal(twin_compiled(x), model(x))  # the same content, uploaded by twin too
+        twin.close()  # Detach: twin's hold ends at once
+        before = owner.stats()
+        for _ in range(3):
+            assert torch.equal(compiled(x), model(x))
+    after = owner.stats()
+    assert after["tensors_uploaded"] == before["tensors_uploaded"]  # nothing had to go up again
+    assert after["graphs_uploaded"] == before["graphs_uploaded"]
+
+
+def test_a_session_id_names_only_its_own_session(server, make_session):
+    owner, _, _, x = model_and_owner(make_session, 5)
+    (gid,) = owner._graphs_on_worker
+    transport = TcpTransport(server.url, TOKEN, protocol=m.PROTOCOL_VERSION)
+    try:
+        def raw(body, frames=()):
+            header, _ = transport.request(m.encode(body), frames)
+            return m.decode(header)
+
+        for bad in ("", "short", "x" * 129, "../../etc/passwd-0123456789", "ids with spaces 0123456"):
+            reply = raw(m.Attach(bad))
+            assert isinstance(reply, m.ErrorReply) and reply.kind == "invalid", bad
+        reply = raw(m.Attach(secrets.token_urlsafe(24)))  # a fresh id: a new, empty session
+        assert isinstance(reply, m.AttachReply) and not reply.resumed
+        reply = raw(*run_request(gid, sorted(owner._tensors_on_worker), x))
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "missing"
+        reply = raw(m.Attach(owner.session_id + "x"))  # no switching sessions on one connection
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "invalid"
+    finally:
+        transport.close()
+    assert owner.health()["name"] == "test"
