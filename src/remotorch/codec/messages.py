@@ -169,7 +169,10 @@ def encode(body: Request | Reply) -> bytes:
 
 def decode(frame0: bytes | memoryview) -> Request | Reply:
     """Parse frame 0; raises ``msgspec.ValidationError``/``DecodeError`` on bad input."""
-    env = _decoder.decode(frame0)
+    try:
+        env = _decoder.decode(frame0)
+    except UnicodeDecodeError as exc:  # msgspec lets invalid UTF-8 in a str through as this
+        raise msgspec.DecodeError(f"invalid UTF-8 in a string: {exc}") from None
     if env.v != PROTOCOL_VERSION:
         raise msgspec.ValidationError(
             f"protocol version {env.v} is not supported (this side speaks {PROTOCOL_VERSION})")

@@ -110,9 +110,12 @@ def tensor_from_wire(meta: TensorMeta, buf) -> torch.Tensor:
         raise ValueError("tensor meta: size or stride out of range")
     itemsize = _ITEMSIZE[dtype]
     arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
-    numel = 1
+    numel, extent = 1, 1
     for n in shape:
         numel *= n
+        extent *= max(n, 1)
+    if extent >= 1 << 62:  # torch refuses such sizes even for an empty tensor
+        raise ValueError("tensor meta: sizes multiply out of range")
     if numel == 0:
         return torch.empty_strided(shape, strides, dtype=dtype)
     span = 1 + sum((n - 1) * s for n, s in zip(shape, strides))

@@ -1,0 +1,198 @@
+"""Hostile input: the decoders and the live worker loop against malformed messages.
+
+In-process, hypothesis drives the envelope decoder, the graph decoder and the
+tensor view checks. Against a real worker, 10,000 seeded malformed requests
+(``remotorch.fuzz``) go over authenticated connections and 1,000 framing
+breakers over fresh ones, plus hypothesis-built envelopes: each must be
+answered with a typed error (or, for broken framing, a closed connection), no
+request may hit the worker's catch-all for its own bugs, and afterwards the
+worker must still serve correct results.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from collections import Counter
+
+import msgspec
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import remotorch
+from remotorch import errors, fuzz
+from remotorch.codec import messages as m
+from remotorch.codec.graph import decode_graph
+from remotorch.codec.tensors import tensor_from_wire
+from remotorch.transport import framing
+
+from conftest import TOKEN, spawn_server
+
+LIVE_MESSAGES = 10_000
+LIVE_FRAMING = 1_000
+KINDS = {cls.kind for cls in (errors.ProtocolError, errors.InvalidRequestError, errors.UnsupportedGraphError,
+                              errors.MissingObjectsError, errors.LimitExceededError, errors.QuotaExceededError,
+                              errors.WorkerError, errors.RemoteOutOfMemoryError)}
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-2**63, max_value=2**64 - 1) | st.floats()
+    | st.text(max_size=20) | st.binary(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+bodies = st.fixed_dictionaries({"type": st.sampled_from(["health", "put_graph", "put_tensors", "run", "echo",
+                                                         "attach", "detach", "heartbeat", "ok", "zz"])},
+                               optional={k: msgpack_values for k in ("graph_id", "doc", "consts", "ids", "metas",
+                                                                    "engine", "args", "session_id")})
+envelopes = st.tuples(st.sampled_from([m.PROTOCOL_VERSION, m.PROTOCOL_VERSION, 0, 2]), bodies)
+
+
+# ------------------------------------------------------------------ in-process
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=300))
+def test_envelope_decoder_on_random_bytes(data):
+    try:
+        m.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+
+
+@settings(max_examples=500, deadline=None)
+@given(envelopes)
+def test_envelope_decoder_on_random_structures(env):
+    try:
+        m.decode(msgspec.msgpack.encode(list(env)))
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(min_value=0, max_value=2**32))
+def test_graph_decoder_on_hostile_documents(seed):
+    doc = fuzz._doc(random.Random(seed))
+    try:
+        decode_graph(doc, [], torch.device("cpu"))
+    except errors.UnsupportedGraphError:
+        pass
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from(["float32", "int64", "bool", "float16", "nope"]),
+       st.lists(st.integers(min_value=-3, max_value=2**63), max_size=5),
+       st.lists(st.integers(min_value=-3, max_value=2**63), max_size=5),
+       st.integers(min_value=0, max_value=256))
+def test_tensor_views_stay_inside_their_frame(dtype, shape, strides, nbytes):
+    buf = bytearray(nbytes)
+    try:
+        t = tensor_from_wire(m.TensorMeta(dtype, shape, strides, 0), buf)
+    except ValueError:
+        return
+    if t.numel():
+        span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        assert span * t.element_size() <= nbytes
+        t.sum()  # touches every element: must not read outside the frame
+
+
+# ------------------------------------------------------------------ live worker
+@pytest.fixture(scope="module")
+def target():
+    srv = spawn_server(name="fuzzed")
+    yield srv
+    srv.stop()
+
+
+class Conn:
+    """A raw authenticated connection speaking framed messages."""
+
+    def __init__(self, srv) -> None:
+        self.sock = socket.create_connection((srv.host, srv.port), timeout=30)
+        key = framing.client_handshake(self.sock, TOKEN.encode(), m.PROTOCOL_VERSION)
+        self.channel = framing.FramedChannel(self.sock, key, max_frame=1 << 30, max_header=1 << 30)
+
+    def ask(self, header: bytes, frames=()):
+        self.channel.send(header, list(frames))
+        reply, _, _ = self.channel.recv()
+        return m.decode(reply)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def check_reply(reply, tally: Counter) -> None:
+    if isinstance(reply, m.ErrorReply):
+        assert reply.kind in KINDS, reply
+        bug = reply.kind == "worker" and not reply.message.startswith("graph failed")
+        assert not bug, f"a malformed request hit the worker's catch-all: {reply.message}\n{reply.traceback}"
+        tally[reply.kind] += 1
+    else:
+        tally[type(reply).__name__] += 1  # valid by chance (e.g. a health with extra keys)
+
+
+def assert_still_correct(srv) -> None:
+    assert srv.alive(), srv.stderr_text()[-3000:]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.ReLU(), torch.nn.Linear(20, 2)).eval()
+    with remotorch.Session(srv.url, token=TOKEN) as s:
+        compiled = remotorch.compile(model, session=s, fallback="raise")
+        with torch.no_grad():
+            for _ in range(3):
+                x = torch.randn(4, 10)
+                assert torch.equal(compiled(x), model(x))
+    assert "unexpected error" not in srv.stderr_text()
+
+
+def test_live_worker_answers_every_malformed_request(target):
+    tally: Counter = Counter()
+    conn = Conn(target)
+    try:
+        for i, (header, frames) in enumerate(fuzz.stream(seed=20251121, n=LIVE_MESSAGES)):
+            reply = conn.ask(header, frames)
+            check_reply(reply, tally)
+            if isinstance(reply, m.AttachReply) or i % 500 == 499:
+                conn.close()  # start over unattached now and then, as a fresh client would
+                conn = Conn(target)
+    finally:
+        conn.close()
+    errors_seen = sum(tally[k] for k in KINDS)
+    assert errors_seen > LIVE_MESSAGES * 0.8, tally
+    assert len([k for k in KINDS if tally[k]]) >= 4, tally  # the requests reach several checks
+    assert_still_correct(target)
+
+
+def test_live_worker_survives_broken_framing(target):
+    rng = random.Random(7)
+    answered = closed = 0
+    for _ in range(LIVE_FRAMING):
+        conn = Conn(target)
+        try:
+            conn.sock.sendall(fuzz.framing_garbage(rng, 0))
+            conn.sock.shutdown(socket.SHUT_WR)
+            try:
+                header, _, _ = conn.channel.recv()
+                reply = m.decode(header)
+                assert isinstance(reply, m.ErrorReply) and reply.kind == "protocol", reply
+                answered += 1
+            except (ConnectionError, OSError, framing.FramingError):
+                closed += 1
+        finally:
+            conn.close()
+    assert answered + closed == LIVE_FRAMING and answered and closed
+    assert_still_correct(target)
+
+
+@pytest.fixture(scope="module")
+def shared_conn(target):
+    conn = Conn(target)
+    yield conn
+    conn.close()
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(env=envelopes, frames=st.lists(st.binary(max_size=64), max_size=3))
+def test_live_worker_answers_hypothesis_envelopes(target, shared_conn, env, frames):
+    check_reply(shared_conn.ask(msgspec.msgpack.encode(list(env)), frames), Counter())
+
+
+def test_live_worker_correct_after_hypothesis(target):
+    assert_still_correct(target)
