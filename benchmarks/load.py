@@ -1,0 +1,168 @@
+"""Load: many client processes calling one worker on loopback with mixed graphs.
+
+Starts a ``remotorch serve`` worker (or uses ``--url``), then N client
+processes. Each client compiles three models with remotorch (an MLP, a small
+CNN, a transformer block, each with its own seeded weights), computes the
+expected outputs of a fixed set of inputs locally, and, once every client is
+ready, makes ``--calls`` calls cycling through the models and inputs,
+checking every output against the local one. Reported: calls, errors, wrong
+results, throughput (calls per second over the loaded phase) and latency
+percentiles. A single client runs the same calls first, in the same run, as
+the baseline for the ratios.
+
+    python benchmarks/load.py                 # 16 clients x 500 calls
+    python benchmarks/load.py --clients 4 --calls 100 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+
+READY = "remotorch: serving on "
+INPUTS_PER_MODEL = 8
+
+
+# ---------------------------------------------------------------------- client
+def client(url: str, token: str, seed: int, calls: int) -> None:
+    import torch
+
+    import remotorch
+    from remotorch import models
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    nets = [(models.mlp().eval(), lambda g: torch.randn(8, 784, generator=g)),
+            (models.SmallCNN().eval(), lambda g: torch.randn(2, 3, 32, 32, generator=g)),
+            (models.TransformerBlock().eval(), lambda g: torch.randn(2, 16, 64, generator=g))]
+    session = remotorch.Session(url, token=token, timeout=120)
+    cases = []
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for net, make in nets:
+            compiled = remotorch.compile(net, session=session, fallback="raise")
+            for _ in range(INPUTS_PER_MODEL):
+                x = make(g)
+                cases.append((compiled, x, net(x)))
+            compiled(cases[-1][1])  # warm: uploaded and compiled before the clock starts
+    print("ready", flush=True)
+    sys.stdin.readline()  # the go signal: every client starts together
+    lat, errors, wrong = [], [], 0
+    with torch.no_grad():
+        for i in range(calls):
+            compiled, x, expected = cases[(i * 7 + seed) % len(cases)]
+            start = time.perf_counter()
+            try:
+                out = compiled(x)
+            except remotorch.errors.RemoteError as exc:
+                errors.append(f"{type(exc).__name__}: {exc}"[:300])
+                continue
+            lat.append((time.perf_counter() - start) * 1e3)
+            if not torch.allclose(out, expected, rtol=1e-5, atol=1e-6):
+                wrong += 1
+    session.close()
+    print(json.dumps({"lat_ms": lat, "errors": errors, "wrong": wrong}), flush=True)
+
+
+# ---------------------------------------------------------------------- parent
+def start_worker(token: str, threads: int) -> tuple[subprocess.Popen, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTORCH_")}
+    proc = subprocess.Popen([sys.executable, "-m", "remotorch", "serve", "--port", "0", "--token", token,
+                             "--name", "load", "--threads", str(threads)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL, text=True, env=env)
+    line = proc.stdout.readline()
+    if not line.startswith(READY):
+        proc.kill()
+        raise SystemExit(f"worker did not start: {line!r}")
+    return proc, line[len(READY):].strip()
+
+
+def run_clients(url: str, token: str, n: int, calls: int) -> dict:
+    """Start n clients, wait until all are ready, release them together; the merged results."""
+    procs = [subprocess.Popen([sys.executable, __file__, "--client", url, token, str(1000 + i), str(calls)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for i in range(n)]
+    for p in procs:
+        if p.stdout.readline().strip() != "ready":
+            raise SystemExit(f"a client failed to start (rc={p.wait()})")
+    start = time.perf_counter()
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    results = [json.loads(p.stdout.readline()) for p in procs]
+    elapsed = time.perf_counter() - start
+    for p in procs:
+        p.wait()
+    lat = sorted(x for r in results for x in r["lat_ms"])
+    errors = [e for r in results for e in r["errors"]]
+    return {"clients": n, "calls": n * calls, "ok": len(lat), "errors": len(errors), "error_samples": errors[:5],
+            "wrong": sum(r["wrong"] for r in results), "seconds": elapsed,
+            "throughput": len(lat) / elapsed if elapsed else 0.0,
+            "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "max_ms": lat[-1] if lat else 0.0}
+
+
+def pct(sorted_values: list[float], p: float) -> float:
+    if not sorted_values:
+        return 0.0
+    k = min(len(sorted_values) - 1, max(0, round(p / 100 * len(sorted_values) + 0.5) - 1))
+    return sorted_values[k]
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--client":
+        client(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--calls", type=int, default=500, help="calls per client")
+    ap.add_argument("--url", default=None, help="an existing worker (default: start one)")
+    ap.add_argument("--token", default=None)
+    ap.add_argument("--worker-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                    help="kernel threads of the started worker (default: half the cores, as embedded)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the single-client run")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    args = ap.parse_args()
+    token = args.token or secrets.token_hex(16)
+    worker = None
+    url = args.url
+    if url is None:
+        worker, url = start_worker(token, args.worker_threads)
+    try:
+        base = None if args.no_baseline else run_clients(url, token, 1, args.calls)
+        load = run_clients(url, token, args.clients, args.calls)
+    finally:
+        if worker is not None:
+            worker.terminate()
+            worker.wait(30)
+    report = {"load": load, "baseline": base, "cpus": os.cpu_count()}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+    return 0 if load["errors"] == 0 and load["wrong"] == 0 and load["ok"] == load["calls"] else 1
+
+
+def print_report(report: dict) -> None:
+    load, base = report["load"], report["baseline"]
+    print(f"remotorch load: one worker on loopback, {report['cpus']} CPUs shared by worker and clients")
+    print(f"{'run':>20} {'calls':>7} {'errors':>6} {'wrong':>5} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    for name, r in (("1 client", base), (f"{load['clients']} clients", load)):
+        if r is None:
+            continue
+        print(f"{name:>20} {r['calls']:>7} {r['errors']:>6} {r['wrong']:>5} {r['throughput']:>9.1f} "
+              f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['max_ms']:>8.2f}")
+    if base:
+        print(f"throughput {load['clients']} clients / 1 client: {load['throughput'] / base['throughput']:.2f}x;"
+              f" p99 {load['clients']} clients / p50 1 client: {load['p99_ms'] / base['p50_ms']:.1f}x")
+    for e in load["error_samples"]:
+        print("error:", e)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
