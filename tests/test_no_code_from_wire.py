@@ -316,3 +316,15 @@ def assert_still_serving(session) -> None:
     with torch.no_grad():
         assert torch.equal(compiled(x), model(x))
     assert session.health()["name"] == "test"
+
+
+def test_evil_session_ids_are_refused(transport, marker, session):
+    for s in evil_strings(marker):
+        reply, _ = ask(transport, m.Attach(s))
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "invalid", s
+    for b in evil_blobs(marker).values():
+        header = msgspec.msgpack.encode([m.PROTOCOL_VERSION, {"type": "attach", "session_id": b}])
+        reply, _ = ask(transport, header)
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "protocol"
+    assert not os.path.exists(marker)
+    assert_still_serving(session)
