@@ -35,7 +35,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import torch
         torch.set_num_threads(args.threads)
     try:
-        worker = Worker(args.device, name=args.name)
+        engine_names = [e for e in args.engines.split(",") if e] if args.engines else None
+        worker = Worker(args.device, name=args.name, price_per_hour=args.price_per_hour,
+                        engine_names=engine_names)
     except ValueError as exc:
         print(f"remotorch serve: {exc}", file=sys.stderr)
         return 2
@@ -94,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, default=0,
                        help="CPU threads for graph kernels (default: torch's choice)")
     serve.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without a token")
+    serve.add_argument("--price-per-hour", type=float, default=0.0,
+                       help="$ per hour of this worker, reported for cost estimates (default 0)")
+    serve.add_argument("--engines", default=None,
+                       help="comma-separated engines to offer, in order (default: all that load here)")
     serve.add_argument("--exit-on-stdin-close", action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(fn=cmd_serve)
 
