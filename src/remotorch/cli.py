@@ -76,6 +76,36 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_backends(args: argparse.Namespace) -> int:
+    from .errors import RemoteError
+    from .session import Session
+
+    urls = args.urls or None  # none: REMOTORCH_URL, else the embedded worker
+    with Session(urls, token=args.token, connect_timeout=args.timeout, retry_after=0.0) as session:
+        try:
+            workers = session.workers()
+        except RemoteError as exc:
+            print(f"remotorch backends: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        for w in workers:
+            print(f"{w['name']}  {w['url']}  device={w['device']}  ${w['price_per_hour']:g}/hour")
+            for engine in w["engines"]:
+                print(f"  {w['name']}/{engine}")
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .profile.explain import run_explained
+
+    explanations = run_explained(args.target, args.args)
+    if not explanations:
+        print(f"remotorch explain: {args.target} called no @remotorch.accelerate function", file=sys.stderr)
+        return 1
+    for e in explanations:
+        e.print()
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -108,6 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--token", default=None)
     health.add_argument("--timeout", type=float, default=5.0)
     health.set_defaults(fn=cmd_health)
+
+    backends = sub.add_parser("backends", help="list the WORKER/ENGINE backends that workers offer")
+    backends.add_argument("urls", nargs="*", help="tcp://host:port … (default: $REMOTORCH_URL or the embedded worker)")
+    backends.add_argument("--token", default=None, help="token for every worker (default: $REMOTORCH_TOKEN)")
+    backends.add_argument("--timeout", type=float, default=5.0)
+    backends.set_defaults(fn=cmd_backends)
+
+    explain = sub.add_parser("explain", help="show graphs and graph breaks of @accelerate functions")
+    explain.add_argument("target", help="a script (path/to/script.py) or a callable (package.module:function)")
+    explain.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    explain.set_defaults(fn=cmd_explain)
 
     demo = sub.add_parser("demo", help="run example models on the embedded worker")
     demo.add_argument("--engine", default="eager")

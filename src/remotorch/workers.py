@@ -60,6 +60,8 @@ class WorkerLink:
         self._ids: dict[int, tuple] = {}
         self._info: dict | None = None
         self.name: str = ""  # set from the health reply (made unique within a session)
+        self.graphs_uploaded = 0
+        self.tensors_uploaded = 0
 
     def close(self) -> None:
         self._transport.close()
@@ -98,6 +100,7 @@ class WorkerLink:
             p = graph.payload
             self._request(m.PutGraph(p.graph_id, p.doc, p.consts), p.const_frames)
             self._graphs.add(graph.graph_id)
+            self.graphs_uploaded += 1
 
     def _pack(self, graph: RemoteGraph, args: Sequence) -> tuple[list, list]:
         resident = set(graph.resident)
@@ -139,6 +142,7 @@ class WorkerLink:
             frames.append(buf)
         self._request(m.PutTensors(list(uploads), metas), frames)
         self._tensors.update(uploads)
+        self.tensors_uploaded += len(uploads)
 
     def _request(self, body, frames: Sequence = ()):
         header, out = self._transport.request(m.encode(body), frames)

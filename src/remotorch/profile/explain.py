@@ -102,3 +102,34 @@ class Explainer:
             self._seen.add(id(accelerated))
             self.explanations.append(explain(accelerated, *args, **kwargs))
         return accelerated.fn(*args, **kwargs)
+
+
+def run_explained(target: str, argv: list[str] | None = None) -> list[Explanation]:
+    """Run a script (``path.py``) or call ``module:function`` and explain its accelerated calls."""
+    import importlib
+    import runpy
+    import sys
+
+    from .context import activate_explainer, deactivate_explainer
+
+    explainer = Explainer()
+    token = activate_explainer(explainer)
+    try:
+        if target.endswith(".py"):
+            saved = sys.argv
+            sys.argv = [target, *(argv or [])]
+            try:
+                runpy.run_path(target, run_name="__main__")
+            finally:
+                sys.argv = saved
+        else:
+            module_name, _, attr = target.partition(":")
+            if not attr:
+                raise ValueError(f"explain needs path/to/script.py or package.module:function, got {target!r}")
+            fn = importlib.import_module(module_name)
+            for part in attr.split("."):
+                fn = getattr(fn, part)
+            fn()
+    finally:
+        deactivate_explainer(token)
+    return explainer.explanations

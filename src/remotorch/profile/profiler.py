@@ -189,6 +189,7 @@ class Profiler:
             if refused is not None:
                 out[backend] = (BackendRun(error=refused), None, errors.UnsupportedGraphError(refused))
                 continue
+            started = time.perf_counter()
             try:
                 res = link.profile(graph, args, engine, warmups=self.num_warmups, repeats=self.num_repeats)
             except errors.RemoteError as exc:
@@ -196,9 +197,10 @@ class Profiler:
                 if isinstance(exc, errors.UnsupportedGraphError):  # compile failure: do not retry
                     self._refused[(graph.graph_id, backend)] = message
                 log.debug("%s failed on graph %s: %s", backend, graph.graph_id[:12], message)
-                out[backend] = (BackendRun(error=message), None, exc)
+                out[backend] = (BackendRun(error=message, started=started, finished=time.perf_counter()), None, exc)
                 continue
-            run = BackendRun(res.times_ms, None, res.compiled, res.compile_ms, res.network_ms)
+            run = BackendRun(res.times_ms, None, res.compiled, res.compile_ms, res.network_ms,
+                             started=started, finished=time.perf_counter())
             out[backend] = (run, res.outputs, None)
         return out
 

@@ -21,6 +21,8 @@ class BackendRun:
     compile_ms: float = 0.0
     network_ms: float = 0.0
     max_abs_diff: float | None = None  # largest |output - local eager output|
+    started: float = 0.0  # client clock around the request (shows which requests overlapped)
+    finished: float = 0.0
 
 
 @dataclass

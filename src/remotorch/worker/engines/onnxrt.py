@@ -36,8 +36,15 @@ def compile(graph, device: torch.device, example_args):
     module = graph.module.to(device).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(module, tuple(example_args), dynamo=True, dynamic_shapes=dynamic,
-                                    verbose=False, report=False)
+        try:
+            program = torch.onnx.export(module, tuple(example_args), dynamo=True, dynamic_shapes=dynamic,
+                                        verbose=False, report=False)
+        except Exception as exc:  # the exporter's own message is pages long: name the root cause
+            root = exc
+            while root.__cause__ is not None:
+                root = root.__cause__
+            first = str(root).strip().splitlines()[0] if str(root).strip() else ""
+            raise OnnxExportError(f"{type(root).__name__}: {first[:300]}") from exc
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
     options.inter_op_num_threads = 1
@@ -55,6 +62,10 @@ def compile(graph, device: torch.device, example_args):
     if len(got) != len(expected if isinstance(expected, (list, tuple)) else [expected]):
         raise ValueError("the ONNX model's outputs do not match the graph's outputs")
     return run
+
+
+class OnnxExportError(RuntimeError):
+    """The graph could not be exported to ONNX (the message names the root cause)."""
 
 
 def _dynamic_shapes(inputs: list[dict], example_args) -> tuple:
