@@ -97,7 +97,11 @@ def cmd_backends(args: argparse.Namespace) -> int:
 def cmd_explain(args: argparse.Namespace) -> int:
     from .profile.explain import run_explained
 
-    explanations = run_explained(args.target, args.args)
+    try:
+        explanations = run_explained(args.target, args.args)
+    except Exception as exc:  # the user's program failed: say so, without our traceback around it
+        print(f"remotorch explain: {args.target} raised {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     if not explanations:
         print(f"remotorch explain: {args.target} called no @remotorch.accelerate function", file=sys.stderr)
         return 1

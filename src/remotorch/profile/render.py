@@ -18,7 +18,7 @@ def render(report: Report, *, max_graphs: int = 8) -> str:
     lines = [_header(report)]
     for n, seq in enumerate(report.sequences, 1):
         lines += ["", *_sequence(n, seq, report.backends, max_graphs)]
-    lines += ["", *_totals(report)]
+    lines += ["", *_totals(report), *_failures(report)]
     return "\n".join(lines)
 
 
@@ -35,7 +35,7 @@ def _ms(v: float | None) -> str:
 
 
 def _fails(failures: dict[str, int]) -> str:
-    return "; ".join(f"{n}x {msg[:90]}" for msg, n in failures.items())
+    return "; ".join(f"{n}x {msg[:60]}{'…' if len(msg) > 60 else ''}" for msg, n in failures.items())
 
 
 def _row(name: str, backend: str, st: Stats) -> list[str]:
@@ -89,6 +89,14 @@ def _totals(report: Report) -> list[str]:
                      str(sum(s.failures.values())) if s.failures else ""])
     return ["per call, estimated (total = graph + local; network is reported apart, not in the total)",
             *_table(rows, head)]
+
+
+def _failures(report: Report) -> list[str]:
+    """Every failure message in full, per backend (the tables shorten them)."""
+    lines = []
+    for s in report.summaries.values():
+        lines += [f"  {s.backend}: {n}x {msg}" for msg, n in s.failures.items()]
+    return ["", "failures (graph runs, all calls)", *lines] if lines else []
 
 
 def _table(rows: list[list[str]], head: tuple = _HEAD) -> list[str]:
