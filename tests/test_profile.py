@@ -329,3 +329,24 @@ def test_print_writes_the_table(session, capsys):
     out = capsys.readouterr().out
     assert "remotorch profile: 2 calls, 1 timed, 1 discarded (compiled)" in out
     assert "test/eager" in out and "local 0" in out
+
+
+def test_a_worker_that_dies_fails_its_backends_and_the_others_go_on(server, start_server):
+    doomed = start_server(name="doomed")
+    fast = remotorch.accelerate(lambda x: torch.tanh(x) - 1, local_backend="eager")
+    with remotorch.Session([server.url, doomed.url], token=TOKEN) as s:
+        with torch.no_grad(), remotorch.remote_profile(s, backends=["test/eager", "doomed/eager"],
+                                                       num_repeats=2) as prof:
+            x = torch.randn(4, 4)
+            for _ in range(2):
+                fast(x)
+            doomed.stop()
+            for _ in range(2):
+                assert torch.equal(fast(x), torch.tanh(x) - 1)  # the output backend's worker is alive
+        report = prof.report()
+    assert report.timed_calls == 3
+    failures = report.summaries["doomed/eager"].failures
+    assert sum(failures.values()) == 2
+    assert all("WorkerUnavailableError" in msg or "TransportError" in msg for msg in failures)
+    assert not report.summaries["test/eager"].failures
+    assert server.alive()

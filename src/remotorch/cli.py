@@ -70,7 +70,7 @@ def cmd_health(args: argparse.Namespace) -> int:
             print(f"unhealthy: {args.url}: {type(exc).__name__}: {exc}")
             return 1
     print(f"healthy: {args.url}")
-    for key in ("name", "device", "torch_version", "engines", "protocol", "sessions"):
+    for key in ("name", "device", "torch_version", "engines", "protocol", "sessions", "price_per_hour"):
         value = info[key]
         print(f"  {key:14s} {', '.join(value) if isinstance(value, list) else value}")
     return 0

@@ -29,7 +29,11 @@ CLIENT = "client"  # the "backend" column of local segments: timed on the client
 
 @dataclass(frozen=True)
 class Stats:
-    """Timed runs of one segment on one backend (milliseconds), and failures by message."""
+    """Timed runs of one segment on one backend (milliseconds), and failures by message.
+
+    ``runs`` counts samples: for a graph, ``num_repeats`` per timed call; for
+    a local segment, one per timed call.
+    """
 
     runs: int
     mean_ms: float | None
