@@ -131,7 +131,12 @@ class WorkerLink:
         meta, buf = tensor_to_wire(t, 0)
         tid = content_id(meta, buf)
         key = id(t)
-        self._ids[key] = (weakref.ref(t, lambda _, k=key: self._ids.pop(k, None)), t._version, tid)
+
+        def forget(ref, key=key, cache=self._ids):
+            if cache.get(key, (None,))[0] is ref:  # a newer tensor may have taken the same id()
+                del cache[key]
+
+        self._ids[key] = (weakref.ref(t, forget), t._version, tid)
         return tid
 
     def _upload(self, uploads: dict[str, torch.Tensor]) -> None:
