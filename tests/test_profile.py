@@ -350,3 +350,25 @@ def test_a_worker_that_dies_fails_its_backends_and_the_others_go_on(server, star
     assert all("WorkerUnavailableError" in msg or "TransportError" in msg for msg in failures)
     assert not report.summaries["test/eager"].failures
     assert server.alive()
+
+
+class Scaler:
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+    @remotorch.accelerate(local_backend="eager")
+    def apply(self, x):
+        return torch.sin(x) * self.k
+
+
+def test_accelerated_methods_bind_and_a_profiler_serves_one_block(session):
+    s = Scaler(3.0)
+    x = torch.randn(5)
+    assert torch.equal(s.apply(x), torch.sin(x) * 3.0)
+    with torch.no_grad(), remotorch.remote_profile(session, backends=["test/eager"], num_repeats=2) as prof:
+        for _ in range(2):
+            assert torch.equal(s.apply(x), torch.sin(x) * 3.0)
+    assert prof.report().sequences[0].function == "Scaler.apply"
+    with pytest.raises(RuntimeError, match="one with-block"):
+        with prof:
+            pass

@@ -126,3 +126,12 @@ def test_serve_refuses_an_engine_it_cannot_offer():
                           capture_output=True, text=True, timeout=120, env=clean_env())
     assert proc.returncode == 2
     assert "nope" in proc.stderr
+
+
+def test_ordinary_calls_can_use_the_onnxrt_engine(session):
+    import remotorch
+
+    fn = remotorch.compile(mm_relu, session=session, engine="onnxrt", fallback="raise")
+    x, w = torch.randn(6, 10), torch.randn(10, 3)
+    assert torch.allclose(fn(x, w), mm_relu(x, w), atol=1e-5)
+    assert session.stats()["remote_calls"] == 1 and session.stats()["fallbacks"] == 0

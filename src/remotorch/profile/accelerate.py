@@ -46,6 +46,10 @@ class Accelerated:
             self._profiled = torch.compile(self.fn, backend=_profiling_backend, dynamic=self.dynamic)
         return profiler.run_call(self, self._profiled, args, kwargs)
 
+    def __get__(self, obj, objtype=None):
+        # used as a method decorator: bind the instance like a plain function would
+        return self if obj is None else functools.partial(self, obj)
+
     def __getattr__(self, name: str):
         # a wrapped module keeps its attributes (parameters, eval(), …) reachable
         if name in ("fn", "_local", "_profiled"):

@@ -76,12 +76,16 @@ class Profiler:
         self._keep: list = []
         self._pool: ThreadPoolExecutor | None = None
         self._token = None
+        self._entered = False
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifetime
     def __enter__(self) -> Profiler:
         from ..session import default_session
 
+        if self._entered:
+            raise RuntimeError("a profiler is used for one with-block; call remote_profile() again")
+        self._entered = True
         session = self._session if self._session is not None else default_session()
         self._session = session
         offered = session.backends()
