@@ -161,8 +161,8 @@ class Session:
             return list(self._links)
 
     def workers(self) -> list[dict]:
-        """Each worker's health reply plus ``url`` and its ``price_per_hour`` after overrides."""
-        return [dict(link.info(), name=link.name, url=link.url,
+        """Each worker's health reply (asked now) plus ``url`` and ``price_per_hour`` after overrides."""
+        return [dict(link.info(refresh=True), name=link.name, url=link.url,
                      price_per_hour=self.price_per_hour(link.name)) for link in self.worker_links()]
 
     def backends(self) -> list[str]:

@@ -66,9 +66,9 @@ class WorkerLink:
     def close(self) -> None:
         self._transport.close()
 
-    def info(self) -> dict:
-        """The worker's health reply (asked once, then remembered)."""
-        if self._info is None:
+    def info(self, refresh: bool = False) -> dict:
+        """The worker's health reply (asked once and remembered, unless ``refresh``)."""
+        if self._info is None or refresh:
             reply, _ = self._request(m.Health())
             self._info = {f: getattr(reply, f) for f in reply.__struct_fields__}
             self.name = self.name or self._info["name"]

@@ -26,8 +26,13 @@ def _header(report: Report) -> str:
     return (f"remotorch profile: {report.calls} calls, {report.timed_calls} timed, "
             f"{report.compile_calls} discarded (compiled), {report.fallback_calls} fell back, "
             f"{report.failed_calls} raised\n"
+            f"workers: {', '.join(_worker(n, w) for n, w in report.workers.items())}\n"
             f"backends: {', '.join(report.backends)}; outputs from {report.output_backend}; "
             f"per call and graph: {report.num_warmups} warm-up, {report.num_repeats} timed runs")
+
+
+def _worker(name: str, w: dict) -> str:
+    return f"{name} ({w.get('device', '?')}, ${w.get('price_per_hour', 0.0):g}/h, {w.get('url', '')})"
 
 
 def _ms(v: float | None) -> str:
