@@ -372,3 +372,27 @@ def test_accelerated_methods_bind_and_a_profiler_serves_one_block(session):
     with pytest.raises(RuntimeError, match="one with-block"):
         with prof:
             pass
+
+
+def test_a_transformers_model_on_eager_and_onnxrt(session):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=64)
+    torch.manual_seed(3)
+    model = transformers.BertModel(config).eval()
+
+    @remotorch.accelerate(local_backend="eager")
+    def encode(ids):
+        return model(input_ids=ids).last_hidden_state
+
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), remotorch.remote_profile(session, backends=["test/eager", "test/onnxrt"],
+                                                   num_repeats=2) as prof:
+        for _ in range(2):
+            out = encode(ids)
+        assert torch.equal(out, model(input_ids=ids).last_hidden_state)
+    report = prof.report()
+    assert not any(s.failures for s in report.summaries.values())
+    assert report.summaries["test/onnxrt"].max_abs_diff < 1e-4
+    (graph,) = [s for s in report.sequences[0].segments if s.kind == "graph"]
+    assert graph.ops > 50 and graph.stats["test/onnxrt"].runs == 2
