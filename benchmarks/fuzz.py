@@ -35,7 +35,7 @@ READY = "remotorch: serving on "
 def connect(host: str, port: int, token: str) -> framing.FramedChannel:
     sock = socket.create_connection((host, port), timeout=30)
     key = framing.client_handshake(sock, token.encode(), m.PROTOCOL_VERSION)
-    return framing.FramedChannel(sock, key, max_frame=1 << 30, max_header=1 << 30)
+    return framing.FramedChannel(sock, key, role="client", max_frame=1 << 30, max_header=1 << 30)
 
 
 def main() -> int:

@@ -108,7 +108,7 @@ class Conn:
     def __init__(self, srv) -> None:
         self.sock = socket.create_connection((srv.host, srv.port), timeout=30)
         key = framing.client_handshake(self.sock, TOKEN.encode(), m.PROTOCOL_VERSION)
-        self.channel = framing.FramedChannel(self.sock, key, max_frame=1 << 30, max_header=1 << 30)
+        self.channel = framing.FramedChannel(self.sock, key, role="client", max_frame=1 << 30, max_header=1 << 30)
 
     def ask(self, header: bytes, frames=()):
         self.channel.send(header, list(frames))

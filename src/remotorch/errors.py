@@ -15,7 +15,8 @@ Every failure that involves the worker surfaces as a subclass of
     ├── LimitExceededError             a request is over a size limit of the worker
     │   ├── QuotaExceededError         a session is over its memory quota (or the worker over its memory limit)
     │   └── RequestTimeoutError        a request ran longer than the worker's request timeout
-    └── MissingObjectsError            the worker lacks graphs/tensors the request names (session re-uploads)
+    ├── MissingObjectsError            the worker lacks graphs/tensors the request names (session re-uploads)
+    └── UnknownBackendError            a profile names a WORKER/ENGINE pair the session's workers do not offer
 
 Errors raised on the worker travel back as an ``ErrorReply`` whose ``kind``
 names one of these classes; :func:`from_reply` rebuilds the exception.
@@ -120,6 +121,12 @@ class MissingObjectsError(RemoteError):
         super().__init__(message, remote_traceback=remote_traceback)
         self.graphs = list(graphs or [])
         self.tensors = list(tensors or [])
+
+
+class UnknownBackendError(RemoteError):
+    """A backend (``WORKER/ENGINE``) that no worker of the session offers (raised by the client)."""
+
+    kind = "backend"
 
 
 _BY_KIND: dict[str, type[RemoteError]] = {

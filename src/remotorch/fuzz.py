@@ -169,16 +169,18 @@ def framing_garbage(rng: random.Random, seq: int) -> bytes:
     """Bytes that break the framing after a successful handshake (the worker closes the connection)."""
     import struct
 
+    from .transport.framing import MAGIC
+
     style = rng.randrange(5)
     if style == 0:
         return rng.randbytes(rng.randrange(1, 300))
     if style == 1:  # bad magic, plausible rest
         return struct.pack("<4sQI", rng.randbytes(4), seq, 1) + rng.randbytes(40)
     if style == 2:  # frame count out of range
-        return struct.pack("<4sQI", b"RMT1", seq, rng.choice([0, 65_537, 2**32 - 1]))
+        return struct.pack("<4sQI", MAGIC, seq, rng.choice([0, 65_537, 2**32 - 1]))
     if style == 3:  # lengths over any limit
-        return struct.pack("<4sQI", b"RMT1", seq, 2) + struct.pack("<2Q", 2**63, 2**64 - 1)
-    return struct.pack("<4sQI", b"RMT1", seq, 1) + struct.pack("<Q", 8) + rng.randbytes(40)  # bad MAC
+        return struct.pack("<4sQI", MAGIC, seq, 2) + struct.pack("<2Q", 2**63, 2**64 - 1)
+    return struct.pack("<4sQI", MAGIC, seq, 1) + struct.pack("<Q", 8) + rng.randbytes(40)  # bad MAC
 
 
 def stream(seed: int, n: int) -> Iterator[tuple[bytes, list[bytes]]]:

@@ -1,7 +1,7 @@
 """The user-facing session: one worker, its upload cache, and the call policy.
 
 Policy lives here, each piece in its own method: upload-if-missing
-(:meth:`Session._ensure_graph`, :meth:`Session._resident_ids`), re-upload
+(:meth:`Session._ensure_graph`, :meth:`Session._pack_args`), re-upload
 after the worker forgot (:meth:`Session.run_graph`), a short back-off after a
 worker failed to answer (:meth:`Session._request`). Only :meth:`_request`
 touches the transport.
@@ -14,7 +14,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +25,7 @@ from .codec.tensors import content_id, tensor_from_wire, tensor_to_wire
 from .config import from_env
 from .transport import TcpTransport, Transport
 from .transport.tls import client_context
+from .workers import WorkerLink, name_links, split_urls
 
 if TYPE_CHECKING:
     from .capture.remote import RemoteGraph
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 class Session:
-    """A connection to one worker, with what has been uploaded to it.
+    """A connection to one worker (or several), with what has been uploaded to it.
 
     ``url`` is ``tcp://host:port`` (or ``tls://host:port``, checking the
     worker's certificate against the system CAs or ``tls_ca``); without it
@@ -47,13 +48,23 @@ class Session:
     every new connection: what it uploaded survives a dropped connection for
     the worker's lease time, and a background thread sends heartbeats while
     the session is idle so the lease does not run out under it.
+
+    ``url`` may also be a list of URLs: ordinary calls run on the first
+    worker, and profiling (:func:`remotorch.remote_profile`) uses all of
+    them. ``tokens`` maps URLs to tokens where they differ from ``token``;
+    ``prices`` maps worker names to $ per hour, overriding what workers report.
     """
 
-    def __init__(self, url: str | None = None, *, token: str | None = None, device: str = "auto",
+    def __init__(self, url: str | Sequence[str] | None = None, *, token: str | None = None, device: str = "auto",
                  timeout: float | None = 300.0, connect_timeout: float = 5.0,
                  transport: Transport | None = None, retry_after: float = 1.0,
+                 tokens: Mapping[str, str] | None = None, prices: Mapping[str, float] | None = None,
                  tls_ca: str | None = None) -> None:
         env = from_env()
+        url, self._more_urls = split_urls(url)  # several workers: ordinary calls use the first
+        self._tokens = dict(tokens or {})  # per-URL tokens, where workers differ
+        self.prices = dict(prices or {})  # $ per hour by worker name, overriding what workers report
+        self._links: list[WorkerLink] | None = None
         self.url = url or env.url
         self.session_id = secrets.token_urlsafe(24)  # 192 random bits; a capability on the worker
         self._tls_ca = tls_ca
@@ -93,6 +104,8 @@ class Session:
                 except errors.RemoteError:
                     pass
             self._closed = True
+            for link in self._links or []:
+                link.close()
             if self._transport is not None:
                 self._transport.close()
             if self._embedded is not None:
@@ -172,6 +185,58 @@ class Session:
         _, out = self._request(m.Echo(), frames)
         return out
 
+    # ------------------------------------------------------------ several workers
+    @property
+    def urls(self) -> list[str | None]:
+        """Every worker of the session, first one first (None: the embedded worker)."""
+        return [self.url, *self._more_urls]
+
+    def worker_links(self) -> list[WorkerLink]:
+        """One connection per worker, named after the workers (used by profiling).
+
+        Created on first use; asks each worker's health, so every worker must
+        answer. The first link goes to the same worker as ordinary calls (the
+        embedded one, started now, when the session has no URL).
+        """
+        with self._lock:
+            if self._links is None:
+                links = []
+                for url in self.urls:
+                    token = self._tokens.get(url, self._token) if url else None
+                    if url is None:
+                        self._get_transport()
+                        if self._embedded is None:
+                            raise errors.WorkerUnavailableError("this session has no worker address")
+                        url, token = self._embedded.url, self._embedded.token
+                    links.append(WorkerLink(url, token, connect_timeout=self._connect_timeout,
+                                            timeout=self._timeout))
+                try:
+                    name_links(links)
+                except BaseException:
+                    for link in links:
+                        link.close()
+                    raise
+                self._links = links
+            return list(self._links)
+
+    def workers(self) -> list[dict]:
+        """Each worker's health reply (asked now) plus ``url`` and ``price_per_hour`` after overrides."""
+        return [dict(link.info(refresh=True), name=link.name, url=link.url,
+                     price_per_hour=self.price_per_hour(link.name)) for link in self.worker_links()]
+
+    def backends(self) -> list[str]:
+        """Every ``WORKER/ENGINE`` pair the session's workers offer, in worker order."""
+        return [f"{link.name}/{engine}" for link in self.worker_links() for engine in link.info()["engines"]]
+
+    def price_per_hour(self, worker: str) -> float:
+        """$ per hour of a worker: the session's ``prices`` entry, else what the worker reports."""
+        if worker in self.prices:
+            return float(self.prices[worker])
+        for link in self.worker_links():
+            if link.name == worker:
+                return float(link.info().get("price_per_hour", 0.0))
+        raise KeyError(f"no worker named {worker!r} in this session")
+
     def note_fallback(self) -> None:
         with self._lock:
             self._stats["fallbacks"] += 1
@@ -204,42 +269,45 @@ class Session:
         self._stats["graphs_uploaded"] += 1
 
     def _pack_args(self, graph: RemoteGraph, args: Sequence) -> tuple[list, list]:
-        run_args, frames = [], []
-        resident = dict(zip(graph.resident, self._resident_ids([args[i] for i in graph.resident])))
+        """Wire arguments: resident tensors by content id (uploading what the worker lacks), others inline."""
+        run_args, frames, uploads = [], [], []
+        resident = graph.resident_set
+        on_worker = self._tensors_on_worker
         for i, a in enumerate(args):
             if i in resident:
-                run_args.append(m.RefArg(resident[i]))
+                entry = self._resident.get(id(a))
+                if entry is None or entry[0]() is not a or entry[1] != a._version:
+                    entry = self._remember(a)
+                if entry[2] not in on_worker and all(entry[2] != u[0] for u in uploads):
+                    uploads.append((entry[2], a))
+                run_args.append(entry[3])
             elif isinstance(a, torch.Tensor):
                 meta, buf = tensor_to_wire(a, len(frames))
                 run_args.append(m.TensorArg(meta))
                 frames.append(buf)
             else:
                 run_args.append(m.ScalarArg(_scalar(a)))
-        return run_args, frames
-
-    def _resident_ids(self, tensors: list) -> list[str]:
-        """Content ids of resident tensors, uploading content the worker lacks.
-
-        A tensor is hashed again only when its version counter moved (an
-        in-place change), so warm calls cost one dict lookup per weight.
-        """
-        ids, uploads = [], []
-        for t in tensors:
-            entry = self._resident.get(id(t))
-            if entry is None or entry[0]() is not t or entry[1] != t._version:
-                meta, buf = tensor_to_wire(t, 0)
-                tid = content_id(meta, buf)
-                key = id(t)
-                self._resident[key] = (weakref.ref(t, lambda _, k=key: self._resident.pop(k, None)),
-                                       t._version, tid)
-            else:
-                tid = entry[2]
-            if tid not in self._tensors_on_worker and all(tid != u[0] for u in uploads):
-                uploads.append((tid, t))
-            ids.append(tid)
         if uploads:
             self._upload_tensors(uploads)
-        return ids
+        return run_args, frames
+
+    def _remember(self, t: torch.Tensor) -> tuple:
+        """Hash a resident tensor and remember its id until its version counter moves.
+
+        Warm calls then cost one dict lookup per weight; an in-place change
+        (which bumps ``_version``) makes the next call hash and upload again.
+        """
+        meta, buf = tensor_to_wire(t, 0)
+        tid = content_id(meta, buf)
+        key = id(t)
+
+        def forget(ref, key=key, cache=self._resident):
+            if cache.get(key, (None,))[0] is ref:
+                del cache[key]
+
+        entry = (weakref.ref(t, forget), t._version, tid, m.RefArg(tid))
+        self._resident[key] = entry
+        return entry
 
     def _upload_tensors(self, uploads: list) -> None:
         metas, frames = [], []

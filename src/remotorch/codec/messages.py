@@ -11,7 +11,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
@@ -119,6 +119,7 @@ class HealthReply(msgspec.Struct, frozen=True, tag="health_reply"):
     sessions: int = 0
     resident_bytes: int = 0
     cached_bytes: int = 0  # objects no session holds, kept for re-use (evicted first)
+    price_per_hour: float = 0.0  # $ per hour (``remotorch serve --price-per-hour``), for cost reports
 
 
 class Ok(msgspec.Struct, frozen=True, tag="ok"):
@@ -149,6 +150,32 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
 
 Reply = Union[HealthReply, Ok, RunReply, EchoReply, ErrorReply]
 Reply = Union[Reply, AttachReply]
+
+
+# -------------------------------------------------------------------- profiling
+class ProfileGraph(msgspec.Struct, frozen=True, tag="profile"):
+    """Run an uploaded graph ``warmups`` times untimed, then ``repeats`` times timed."""
+
+    graph_id: str
+    engine: str
+    args: list[Arg]
+    warmups: int = 1
+    repeats: int = 10
+
+
+class ProfileReply(msgspec.Struct, frozen=True, tag="profile_reply"):
+    """Outputs of the last run, the worker's time for each timed run, and how it timed them."""
+
+    outputs: list[Arg]
+    times_ms: list[float]
+    clock: str  # "monotonic" (CPU) or "cuda_events" (CUDA)
+    compiled: bool = False  # this request compiled the graph for its engine
+    compile_ms: float = 0.0
+    worker_ms: float = 0.0  # the worker's wall time for the whole request (network excluded)
+
+
+Request = Union[Request, ProfileGraph]
+Reply = Union[Reply, ProfileReply]
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True):

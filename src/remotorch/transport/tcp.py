@@ -85,7 +85,7 @@ class TcpTransport(Transport):
             sock.close()
             raise WorkerUnavailableError(f"worker at {self.url} dropped the handshake: {exc}") from exc
         sock.settimeout(self.timeout)
-        channel = FramedChannel(sock, key, max_frame=DEFAULT_MAX_FRAME, max_header=DEFAULT_MAX_FRAME)
+        channel = FramedChannel(sock, key, role="client", max_frame=DEFAULT_MAX_FRAME, max_header=DEFAULT_MAX_FRAME)
         if self.on_connect is not None:
             try:
                 self.on_connect(lambda header: self._greet(channel, header))

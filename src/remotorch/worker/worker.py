@@ -22,6 +22,7 @@ from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsErr
 from . import engines, quota
 from .deadline import DeadlineExpired, deadline
 from .store import SharedStore
+from .timing import MAX_REPEATS, MAX_WARMUPS, TimedRuns, time_runs
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ def resolve_device(spec: str = "auto") -> torch.device:
 @dataclass
 class _Graph:
     decoded: DecodedGraph
-    checks: list  # per argument: None (anything), "scalar", or (dtype, rank, {dim: size})
+    checks: list  # per argument: None (anything), "scalar", or (dtype, rank, ((dim, size), ...))
     compiled: dict  # engine name -> callable
     lock: threading.Lock
 
@@ -50,7 +51,7 @@ class _Graph:
             if meta.get("kind") == "tensor":
                 shape = list(meta.get("shape") or [])
                 fixed = {i: d for i, d in enumerate(shape) if isinstance(d, int)}
-                checks.append((dtype_from_name(str(meta.get("dtype"))), len(shape), fixed))
+                checks.append((dtype_from_name(str(meta.get("dtype"))), len(shape), tuple(fixed.items())))
             else:
                 checks.append("scalar" if meta.get("kind") == "scalar" else None)
         return cls(decoded, checks, {}, threading.Lock())
@@ -72,11 +73,19 @@ class Worker:
     """Graph cache + tensor store + engines for one device."""
 
     def __init__(self, device: str | torch.device = "auto", *, name: str = "worker",
-                 limits: Limits = Limits()) -> None:
+                 limits: Limits = Limits(), price_per_hour: float = 0.0,
+                 engine_names: list[str] | None = None) -> None:
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.name = name
+        self.price_per_hour = price_per_hour  # $ per hour of this worker, for cost reports
         self.limits = limits
         self.engines = engines.available(self.device)
+        if engine_names is not None:  # offer only these (in this order); each must load here
+            unknown = [e for e in engine_names if e not in self.engines and e not in engines.HIDDEN]
+            if unknown:
+                raise ValueError(f"engines not available on {self.device}: {', '.join(unknown)} "
+                                 f"(available: {', '.join(self.engines)})")
+            self.engines = list(engine_names)
         self._graphs = SharedStore(limits.cache_bytes)
         self._tensors = SharedStore(limits.cache_bytes)
 
@@ -90,7 +99,8 @@ class Worker:
         return {"name": self.name, "device": str(self.device), "torch_version": str(torch.__version__),
                 "engines": list(self.engines),
                 "resident_bytes": self._tensors.total_bytes,
-                "cached_bytes": self._tensors.orphan_bytes + self._graphs.orphan_bytes}
+                "cached_bytes": self._tensors.orphan_bytes + self._graphs.orphan_bytes,
+                "price_per_hour": self.price_per_hour}
 
     def memory(self) -> dict:
         """Bytes held by sessions and cached for nobody, per store (graphs count documents and constants)."""
@@ -159,15 +169,23 @@ class Worker:
     # ----------------------------------------------------------------------- run
     def run(self, session: object, gid: str, engine: str, args: list, frames) -> tuple[list, float, bool]:
         """Run a graph; ``args`` are tensors/scalars or ``("ref", id)``. Returns (outputs, ms, compiled)."""
-        missing_t = self._tensors.missing(session, [a[1] for a in args if isinstance(a, tuple)])
+        values, missing_t = [], []
+        tensors, on_cpu = self._tensors, self.device.type == "cpu"
+        for a in args:
+            if type(a) is tuple:
+                try:
+                    values.append(tensors.get(session, a[1]))
+                except KeyError:
+                    missing_t.append(a[1])
+            elif on_cpu or not isinstance(a, torch.Tensor):
+                values.append(a)
+            else:
+                values.append(a.to(self.device))
         missing_g = self._graphs.missing(session, [gid])
         if missing_t or missing_g:
             raise MissingObjectsError("worker does not hold these objects for this session",
                                       graphs=missing_g, tensors=missing_t)
         graph: _Graph = self._graphs.get(session, gid)
-        values = [self._tensors.get(session, a[1]) if isinstance(a, tuple) else a for a in args]
-        values = [v.to(self.device) if isinstance(v, torch.Tensor) and v.device != self.device else v
-                  for v in values]
         self._check_args(graph, values)
         fn, compiled = self._compiled(graph, engine, values)
         try:
@@ -244,6 +262,48 @@ class Worker:
             dtype, rank, fixed = check
             if not isinstance(v, torch.Tensor):
                 raise InvalidRequestError(f"argument {i} must be a tensor")
-            if v.dtype != dtype or v.dim() != rank or any(v.shape[d] != n for d, n in fixed.items()):
+            ok = v.dtype == dtype and v.dim() == rank
+            if ok:
+                shape = v.shape
+                for d, n in fixed:
+                    if shape[d] != n:
+                        ok = False
+                        break
+            if not ok:
                 raise InvalidRequestError(f"argument {i}: expected {dtype} of rank {rank} with sizes "
-                                          f"{fixed}, got {v.dtype}{list(v.shape)}")
+                                          f"{dict(fixed)}, got {v.dtype}{list(v.shape)}")
+
+    # ------------------------------------------------------------------- profile
+    def profile(self, session: object, gid: str, engine: str, args: list, frames, *,
+                warmups: int, repeats: int) -> tuple[list, TimedRuns, bool, float]:
+        """Run a graph ``warmups`` times untimed, then ``repeats`` times timed, on one engine.
+
+        Returns (outputs of the last run, the timed runs, whether this call
+        compiled the graph for the engine, compile milliseconds). Compiling is
+        never part of the timed runs.
+        """
+        if not (0 <= warmups <= MAX_WARMUPS and 1 <= repeats <= MAX_REPEATS):
+            raise InvalidRequestError(f"warmups must be 0…{MAX_WARMUPS} and repeats 1…{MAX_REPEATS}")
+        missing_t = self._tensors.missing(session, [a[1] for a in args if isinstance(a, tuple)])
+        missing_g = self._graphs.missing(session, [gid])
+        if missing_t or missing_g:
+            raise MissingObjectsError("worker does not hold these objects for this session",
+                                      graphs=missing_g, tensors=missing_t)
+        graph: _Graph = self._graphs.get(session, gid)
+        values = [self._tensors.get(session, a[1]) if isinstance(a, tuple) else a for a in args]
+        values = [v.to(self.device) if isinstance(v, torch.Tensor) and v.device != self.device else v
+                  for v in values]
+        self._check_args(graph, values)
+        start = time.perf_counter()
+        fn, compiled = self._compiled(graph, engine, values)
+        compile_ms = (time.perf_counter() - start) * 1e3 if compiled else 0.0
+        try:
+            runs = time_runs(fn, values, self.device, warmups, repeats)
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            raise RemoteOutOfMemoryError(f"out of memory running graph: {exc}",
+                                         remote_traceback=traceback.format_exc()) from None
+        except Exception as exc:
+            raise WorkerError(f"graph failed on {engine}: {type(exc).__name__}: {exc}",
+                              remote_traceback=traceback.format_exc()) from None
+        out = runs.outputs
+        return (list(out) if isinstance(out, (list, tuple)) else [out]), runs, compiled, compile_ms
