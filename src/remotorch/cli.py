@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--memory-limit", type=_size, default=None,
                        help="bytes all sessions and the cache may hold together; default: no limit")
     serve.add_argument("--cache-bytes", type=_size, default=None,
-                       help="bytes of objects no session holds kept for re-use, per kind (default 1G)")
+                       help="bytes of objects no session holds kept for re-use, per kind (default 0: freed at once)")
     serve.add_argument("--max-message-bytes", type=_size, default=None,
                        help="largest request accepted (header and frames); default: no limit")
     serve.add_argument("--max-graph-bytes", type=_size, default=None,

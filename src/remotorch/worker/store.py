@@ -2,10 +2,11 @@
 
 A session can reference an id only after it uploaded the bytes itself, so the
 shared cache tells nobody what others hold. When the last session that
-uploaded an object goes away, the object moves to a bounded cache of objects
-no session uses (least recently orphaned evicted first, and evicted before any
-session's memory when memory runs short); a session that uploads the same bytes
-again adopts it from there (a compiled graph stays compiled).
+uploaded an object goes away, the object is freed, or (when ``keep_bytes`` is
+set) moves to a bounded cache of objects no session uses (least recently
+orphaned evicted first, and evicted before any session's memory when memory
+runs short); a session that uploads the same bytes again adopts it from there
+(a compiled graph stays compiled).
 """
 
 from __future__ import annotations

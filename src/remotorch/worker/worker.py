@@ -65,7 +65,7 @@ class Limits:
     max_graph_bytes: int = 256 << 20
     memory_quota: int | None = None  # bytes one session may hold (resident tensors, graphs)
     memory_limit: int | None = None  # bytes all sessions and the cache may hold together
-    cache_bytes: int = 1 << 30  # per store: objects no session holds, kept for re-adoption
+    cache_bytes: int = 0  # per store: objects no session holds, kept for re-adoption (0: none)
     request_timeout: float | None = None  # seconds one graph may run (checked between operators)
 
 
