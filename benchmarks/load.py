@@ -1,14 +1,15 @@
 """Load: many client processes calling one worker on loopback with mixed graphs.
 
-Starts a ``remotorch serve`` worker (or uses ``--url``), then N client
-processes. Each client compiles three models with remotorch (an MLP, a small
-CNN, a transformer block, each with its own seeded weights), computes the
-expected outputs of a fixed set of inputs locally, and, once every client is
-ready, makes ``--calls`` calls cycling through the models and inputs,
-checking every output against the local one. Reported: calls, errors, wrong
-results, throughput (calls per second over the loaded phase) and latency
-percentiles. A single client runs the same calls first, in the same run, as
-the baseline for the ratios.
+Starts a ``remotorch serve`` worker (or uses ``--url``), compiles three
+models with remotorch once (an MLP, a small CNN, a transformer block), then
+forks N client processes. Each client gives the models weights of its own
+(so every client uploads different content), computes the expected outputs
+of a fixed set of inputs locally, and, once every client is ready, makes
+``--calls`` calls cycling through the models and inputs, checking every
+output against the local one. Reported: calls, errors, wrong results,
+throughput (calls per second over the loaded phase) and latency percentiles.
+A single client runs the same calls first, in the same run, as the baseline
+for the ratios.
 
     python benchmarks/load.py                 # 16 clients x 500 calls
     python benchmarks/load.py --clients 4 --calls 100 --json
@@ -18,40 +19,57 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import secrets
 import subprocess
 import sys
 import time
 
+import torch
+
+import remotorch
+from remotorch import models
+from remotorch.codec import messages as m
+
 READY = "remotorch: serving on "
 INPUTS_PER_MODEL = 8
 
 
-# ---------------------------------------------------------------------- client
-def client(url: str, token: str, seed: int, calls: int) -> None:
-    import torch
+# ---------------------------------------------------------------------- clients
+class Models:
+    """The three compiled models, made once in the parent (forked children inherit the compiled code)."""
 
-    import remotorch
-    from remotorch import models
+    def __init__(self, url: str, token: str) -> None:
+        torch.manual_seed(0)
+        self.session = remotorch.Session(url, token=token, timeout=120)  # not connected: children connect
+        self.nets = [(models.mlp().eval(), (8, 784)), (models.SmallCNN().eval(), (2, 3, 32, 32)),
+                     (models.TransformerBlock().eval(), (2, 16, 64))]
+        self.compiled = [remotorch.compile(net, session=self.session, fallback="raise") for net, _ in self.nets]
+        with torch.no_grad():  # dynamo traces and captures here, once
+            for (net, shape), compiled in zip(self.nets, self.compiled):
+                compiled(torch.randn(*shape))
+        transport = self.session._transport  # the parent's own session ends; children open theirs
+        transport.request(m.encode(m.Detach()))
+        transport.close()
 
-    torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    nets = [(models.mlp().eval(), lambda g: torch.randn(8, 784, generator=g)),
-            (models.SmallCNN().eval(), lambda g: torch.randn(2, 3, 32, 32, generator=g)),
-            (models.TransformerBlock().eval(), lambda g: torch.randn(2, 16, 64, generator=g))]
-    session = remotorch.Session(url, token=token, timeout=120)
-    cases = []
+
+def client(shared: Models, seed: int, calls: int, pipe) -> None:
+    """One forked client: own weights, own connection, every output checked."""
+    session = shared.session  # forked: give it an identity of its own on the worker
+    session.session_id, session._lease_s = secrets.token_urlsafe(24), None
     g = torch.Generator().manual_seed(seed)
+    cases = []
     with torch.no_grad():
-        for net, make in nets:
-            compiled = remotorch.compile(net, session=session, fallback="raise")
+        for (net, shape), compiled in zip(shared.nets, shared.compiled):
+            for p in net.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.01)  # this client's own weights
             for _ in range(INPUTS_PER_MODEL):
-                x = make(g)
+                x = torch.randn(*shape, generator=g)
                 cases.append((compiled, x, net(x)))
             compiled(cases[-1][1])  # warm: uploaded and compiled before the clock starts
-    print("ready", flush=True)
-    sys.stdin.readline()  # the go signal: every client starts together
+    pipe.send("ready")
+    pipe.recv()  # the go signal: every client starts together
     lat, errors, wrong = [], [], 0
     with torch.no_grad():
         for i in range(calls):
@@ -66,7 +84,7 @@ def client(url: str, token: str, seed: int, calls: int) -> None:
             if not torch.allclose(out, expected, rtol=1e-5, atol=1e-6):
                 wrong += 1
     session.close()
-    print(json.dumps({"lat_ms": lat, "errors": errors, "wrong": wrong}), flush=True)
+    pipe.send({"lat_ms": lat, "errors": errors, "wrong": wrong})
 
 
 # ---------------------------------------------------------------------- parent
@@ -83,22 +101,26 @@ def start_worker(token: str, threads: int) -> tuple[subprocess.Popen, str]:
     return proc, line[len(READY):].strip()
 
 
-def run_clients(url: str, token: str, n: int, calls: int) -> dict:
-    """Start n clients, wait until all are ready, release them together; the merged results."""
-    procs = [subprocess.Popen([sys.executable, __file__, "--client", url, token, str(1000 + i), str(calls)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-             for i in range(n)]
-    for p in procs:
-        if p.stdout.readline().strip() != "ready":
-            raise SystemExit(f"a client failed to start (rc={p.wait()})")
+def run_clients(shared: Models, n: int, calls: int) -> dict:
+    """Fork n clients, wait until all are ready, release them together; the merged results."""
+    ctx = multiprocessing.get_context("fork")
+    pipes, procs = [], []
+    for i in range(n):
+        parent_end, child_end = ctx.Pipe()
+        proc = ctx.Process(target=client, args=(shared, 1000 + i, calls, child_end), daemon=True)
+        proc.start()
+        pipes.append(parent_end)
+        procs.append(proc)
+    for p in pipes:
+        if not p.poll(300) or p.recv() != "ready":
+            raise SystemExit("a client failed to start")
     start = time.perf_counter()
-    for p in procs:
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    results = [json.loads(p.stdout.readline()) for p in procs]
+    for p in pipes:
+        p.send("go")
+    results = [p.recv() for p in pipes]
     elapsed = time.perf_counter() - start
-    for p in procs:
-        p.wait()
+    for proc in procs:
+        proc.join(30)
     lat = sorted(x for r in results for x in r["lat_ms"])
     errors = [e for r in results for e in r["errors"]]
     return {"clients": n, "calls": n * calls, "ok": len(lat), "errors": len(errors), "error_samples": errors[:5],
@@ -115,9 +137,6 @@ def pct(sorted_values: list[float], p: float) -> float:
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--client":
-        client(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
-        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--calls", type=int, default=500, help="calls per client")
@@ -133,9 +152,11 @@ def main() -> int:
     url = args.url
     if url is None:
         worker, url = start_worker(token, args.worker_threads)
+    torch.set_num_threads(1)  # before any kernel runs: forked children must not inherit a thread pool
     try:
-        base = None if args.no_baseline else run_clients(url, token, 1, args.calls)
-        load = run_clients(url, token, args.clients, args.calls)
+        shared = Models(url, token)
+        base = None if args.no_baseline else run_clients(shared, 1, args.calls)
+        load = run_clients(shared, args.clients, args.calls)
     finally:
         if worker is not None:
             worker.terminate()
