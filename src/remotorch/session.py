@@ -209,7 +209,8 @@ class Session:
                             raise errors.WorkerUnavailableError("this session has no worker address")
                         url, token = self._embedded.url, self._embedded.token
                     links.append(WorkerLink(url, token, connect_timeout=self._connect_timeout,
-                                            timeout=self._timeout))
+                                            timeout=self._timeout,
+                                            tls=client_context(self._tls_ca) if self._tls_ca else None))
                 try:
                     name_links(links)
                 except BaseException:

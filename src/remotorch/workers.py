@@ -50,10 +50,10 @@ class WorkerLink:
     """One connection to one worker, with the graphs and tensors uploaded over it."""
 
     def __init__(self, url: str, token: str | None, *, connect_timeout: float = 5.0,
-                 timeout: float | None = 300.0) -> None:
+                 timeout: float | None = 300.0, tls=None) -> None:
         self.url = url
         self._transport = TcpTransport(url, token, protocol=m.PROTOCOL_VERSION,
-                                       connect_timeout=connect_timeout, timeout=timeout)
+                                       connect_timeout=connect_timeout, timeout=timeout, tls=tls)
         self._lock = threading.Lock()
         self._graphs: set[str] = set()
         self._tensors: set[str] = set()
