@@ -233,3 +233,28 @@ def test_unattached_connections_are_freed_when_they_close(leased, observer):
     assert observer.health()["resident_bytes"] == t.nbytes
     transport.close()
     assert wait_until(lambda: observer.health()["resident_bytes"] == 0, timeout=5)
+
+
+def test_restarted_worker_gets_everything_again_transparently(start_server):
+    srv = start_server(name="first")
+    port = srv.port
+    session = remotorch.Session(srv.url, token=TOKEN, retry_after=0)
+    try:
+        torch.manual_seed(9)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).eval()
+        compiled = remotorch.compile(model, session=session, fallback="raise")
+        x = torch.randn(4, 16)
+        with torch.no_grad():
+            assert torch.equal(compiled(x), model(x))
+            srv.stop()
+            with pytest.raises(errors.WorkerUnavailableError):
+                compiled(x)
+            srv2 = start_server(name="second", extra_args=("--port", str(port)))
+            for _ in range(3):
+                assert torch.equal(compiled(x), model(x))
+        stats = session.stats()
+        assert (stats["graphs_uploaded"], stats["tensors_uploaded"]) == (2, 8)  # all of it, once more
+        assert session.health()["name"] == "second"
+        assert srv2.alive()
+    finally:
+        session.close()
