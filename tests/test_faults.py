@@ -258,3 +258,16 @@ def test_restarted_worker_gets_everything_again_transparently(start_server):
         assert srv2.alive()
     finally:
         session.close()
+
+
+def test_closing_a_session_of_a_frozen_worker_does_not_hang(start_server):
+    srv = start_server(name="frozen-close")
+    session = remotorch.Session(srv.url, token=TOKEN, timeout=120)
+    assert session.health()["name"] == "frozen-close"
+    os.kill(srv.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        session.close()  # its Detach gets no answer: close gives up after a short wait
+        assert time.monotonic() - start < 10
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)

@@ -100,6 +100,7 @@ class Session:
             self._heartbeat_stop.set()
             if not self._closed and getattr(self._transport, "connected", False):
                 try:  # free what this session holds now, instead of after the lease
+                    self._transport.set_timeout(min(2.0, self._timeout or 2.0))  # never hang in close()
                     self._transport.request(m.encode(m.Detach()))
                 except errors.RemoteError:
                     pass

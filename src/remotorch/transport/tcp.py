@@ -110,6 +110,13 @@ class TcpTransport(Transport):
         self.bytes_received += nbytes
         return reply
 
+    def set_timeout(self, seconds: float | None) -> None:
+        """Change the reply timeout, for the open connection too."""
+        with self._lock:
+            self.timeout = seconds
+            if self._channel is not None:
+                self._channel.sock.settimeout(seconds)
+
     @property
     def connected(self) -> bool:
         """True while a connection is open (no I/O)."""
