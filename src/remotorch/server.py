@@ -18,7 +18,8 @@ import torch
 
 from .codec import messages as m
 from .codec.tensors import tensor_to_wire
-from .errors import InvalidRequestError, LimitExceededError, ProtocolError, RemoteError
+from .errors import (InvalidRequestError, LimitExceededError, ProtocolError, RemoteError,
+                     RemoteOutOfMemoryError)
 from .leases import SESSION_ID, LeaseTable
 from .transport.server import TcpServer
 from .worker import Worker
@@ -110,7 +111,7 @@ class WorkerServer:
         except RemoteError as exc:
             return self._error(exc), []
         except MemoryError as exc:
-            return m.encode(m.ErrorReply("oom", f"worker out of host memory: {exc}")), []
+            return m.encode(m.ErrorReply(RemoteOutOfMemoryError.kind, f"worker out of host memory: {exc}")), []
         except Exception as exc:  # a bug of ours must still be an answer, not a dead worker
             log.exception("unexpected error while serving a request")
             return m.encode(m.ErrorReply("worker", f"{type(exc).__name__}: {exc}",
