@@ -128,3 +128,18 @@ def test_a_session_id_names_only_its_own_session(server, make_session):
     finally:
         transport.close()
     assert owner.health()["name"] == "test"
+
+
+@pytest.mark.parametrize("token", [None, "", "wrong-token-0123456789"])
+def test_a_wrong_or_missing_token_changes_nothing_on_the_worker(server, make_session, token):
+    observer = make_session()
+    before = observer.health()
+    intruder = remotorch.Session(server.url, token=token, retry_after=0)
+    try:
+        meta, buf = tensor_to_wire(torch.randn(1000), 0)
+        with pytest.raises(errors.AuthenticationError):
+            intruder._request(m.PutTensors([content_id(meta, buf)], [meta]), [buf])
+    finally:
+        intruder.close()
+    after = observer.health()
+    assert (after["sessions"], after["resident_bytes"]) == (before["sessions"], before["resident_bytes"])
