@@ -16,6 +16,7 @@ import torch
 from .codec import messages as m
 from .codec.tensors import tensor_to_wire
 from .errors import InvalidRequestError, ProtocolError, RemoteError
+from .train_server import serve_training
 from .transport.server import TcpServer
 from .worker import Worker
 
@@ -74,6 +75,8 @@ class WorkerServer:
             return m.encode(m.HealthReply(protocol=m.PROTOCOL_VERSION, sessions=self._tcp.connections, **self.worker.info())), []
         if isinstance(req, m.Echo):
             return m.encode(m.EchoReply()), frames
+        if isinstance(req, m.TRAINING_REQUESTS):
+            return serve_training(self.worker, session, req, frames)
         raise ProtocolError(f"{type(req).__name__} is not a request")
 
     def _run(self, session: int, req: m.RunGraph, frames: list) -> tuple[bytes, list]:

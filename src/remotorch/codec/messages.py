@@ -120,6 +120,132 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
 Reply = Union[HealthReply, Ok, RunReply, EchoReply, ErrorReply]
 
 
+# ---------------------------------------------------- training: resident state
+# Saved activations, trainable parameters and optimizers stay on the worker,
+# in the session; the client names them by small integers it chooses itself
+# (never reused within a client session, so a stale id can never name new state).
+class HandleArg(msgspec.Struct, frozen=True, tag="h", array_like=True):
+    """A tensor the worker keeps for this session (a saved activation), by handle id."""
+
+    id: int
+
+
+class SlotArg(msgspec.Struct, frozen=True, tag="p", array_like=True):
+    """A trainable parameter the worker keeps for this session, by slot id."""
+
+    id: int
+
+
+ResidentArg = Union[TensorArg, RefArg, ScalarArg, HandleArg, SlotArg]
+Hyper = Union[int, float, bool, None, str, list[Union[int, float, bool]]]
+
+
+class Release(msgspec.Struct, frozen=True, tag="release"):
+    """Drop handles, parameter slots and optimizers the client no longer references."""
+
+    handles: list[int] = []
+    slots: list[int] = []
+    optims: list[int] = []
+
+
+class RunResident(msgspec.Struct, frozen=True, tag="run_resident"):
+    """RunGraph with resident state: handles and slots as arguments, outputs kept or accumulated.
+
+    Outputs at index >= ``keep_from`` that are tensors stay on the worker as
+    handles ``handle_base``, ``handle_base + 1``, …; ``grads`` pairs
+    ``[output index, slot id]`` accumulate that output into the slot's gradient.
+    """
+
+    graph_id: str
+    engine: str
+    args: list[ResidentArg]
+    keep_from: int = -1
+    handle_base: int = 0
+    grads: list[list[int]] = []
+    release: Union[Release, None] = None
+
+
+class BindSlots(msgspec.Struct, frozen=True, tag="bind_slots"):
+    """Set parameter slots (created if new) from uploaded content (RefArg) or inline tensors."""
+
+    slots: list[int]
+    values: list[Union[TensorArg, RefArg]]
+
+
+class AccumulateGrads(msgspec.Struct, frozen=True, tag="accumulate_grads"):
+    """Add gradients computed on the client (frames) into parameter slots' gradients."""
+
+    slots: list[int]
+    metas: list[TensorMeta]
+
+
+class PullSlots(msgspec.Struct, frozen=True, tag="pull_slots"):
+    """Ask for the current values (and gradients) of parameter slots."""
+
+    slots: list[int]
+    grads: bool = False
+
+
+class OptimCreate(msgspec.Struct, frozen=True, tag="optim_create"):
+    """Create ``torch.optim.<name>`` on the worker over slots, one list per parameter group."""
+
+    optim: int
+    name: str
+    groups: list[list[int]]
+    hyper: list[dict[str, Hyper]]
+
+
+class OptimStep(msgspec.Struct, frozen=True, tag="optim_step"):
+    """Set changed hyperparameters per group (``hyper[i]`` for group i), then ``step()``."""
+
+    optim: int
+    hyper: list[dict[str, Hyper]] = []
+    release: Union[Release, None] = None
+
+
+class OptimZeroGrad(msgspec.Struct, frozen=True, tag="optim_zero_grad"):
+    """``zero_grad(set_to_none)`` of a worker-side optimizer."""
+
+    optim: int
+    set_to_none: bool = True
+
+
+class ClipGradNorm(msgspec.Struct, frozen=True, tag="clip_grad_norm"):
+    """``torch.nn.utils.clip_grad_norm_`` over an optimizer's parameters; answers the norm."""
+
+    optim: int
+    max_norm: float
+    norm_type: float = 2.0
+    error_if_nonfinite: bool = False
+
+
+class ResidentReply(msgspec.Struct, frozen=True, tag="resident_reply"):
+    """Outputs of a RunResident: tensors in frames, scalars, or handles kept on the worker."""
+
+    outputs: list[ResidentArg]
+    run_ms: float
+    compiled: bool = False
+
+
+class PullReply(msgspec.Struct, frozen=True, tag="pull_reply"):
+    """Slot values (and gradients, nil where none) as tensors in frames."""
+
+    values: list[TensorMeta]
+    grads: list[Union[TensorMeta, None]] = []
+
+
+class NormReply(msgspec.Struct, frozen=True, tag="norm_reply"):
+    norm: float
+
+
+TrainingRequest = Union[Release, RunResident, BindSlots, AccumulateGrads, PullSlots, OptimCreate,
+                        OptimStep, OptimZeroGrad, ClipGradNorm]
+TRAINING_REQUESTS = (Release, RunResident, BindSlots, AccumulateGrads, PullSlots, OptimCreate,
+                     OptimStep, OptimZeroGrad, ClipGradNorm)
+Request = Union[Request, TrainingRequest]
+Reply = Union[Reply, ResidentReply, PullReply, NormReply]
+
+
 class Envelope(msgspec.Struct, frozen=True, array_like=True):
     """Frame 0 of every message: protocol version plus one request or reply."""
 

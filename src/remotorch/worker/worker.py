@@ -21,6 +21,7 @@ from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsErr
                       RemoteOutOfMemoryError, UnsupportedGraphError, WorkerError)
 from . import engines
 from .store import SharedStore
+from .training import TrainingState
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +75,19 @@ class Worker:
         self.engines = engines.available(self.device)
         self._graphs = SharedStore()
         self._tensors = SharedStore()
+        self.training = TrainingState(self.device)
 
     # ------------------------------------------------------------------ sessions
     def close_session(self, session: object) -> None:
         """Release everything a session held (objects no one else holds are freed)."""
         self._graphs.drop_session(session)
         self._tensors.drop_session(session)
+        self.training.drop_session(session)
 
     def info(self) -> dict:
         return {"name": self.name, "device": str(self.device), "torch_version": str(torch.__version__),
                 "engines": list(self.engines),
-                "resident_bytes": self._tensors.total_bytes}
+                "resident_bytes": self._tensors.total_bytes + self.training.total_bytes()}
 
     # ------------------------------------------------------------------- uploads
     def put_graph(self, session: object, gid: str, doc: bytes, consts: list[TensorMeta], frames) -> None:
@@ -113,6 +116,12 @@ class Worker:
                 raise InvalidRequestError(f"tensor id {tid[:16]}… does not match its content")
             tensor = self.wire_tensor(meta, frames).to(self.device)
             self._tensors.put(session, tid, tensor, tensor.numel() * tensor.element_size())
+
+    def resident_tensor(self, session: object, tid: str) -> torch.Tensor:
+        """A tensor this session uploaded with ``put_tensors``; MissingObjectsError otherwise."""
+        if self._tensors.missing(session, [tid]):
+            raise MissingObjectsError("worker does not hold this tensor for this session", tensors=[tid])
+        return self._tensors.get(session, tid)
 
     def wire_tensor(self, meta: TensorMeta, frames) -> torch.Tensor:
         if not 0 <= meta.frame < len(frames):

@@ -1,0 +1,262 @@
+"""Client side of training: graphs run with worker-resident activations, parameters and gradients.
+
+A :class:`TrainingClient` belongs to one :class:`~remotorch.session.Session`
+(:func:`training_client` makes it on first use) and adds to it:
+
+* forward graphs whose saved-for-backward outputs stay on the worker as
+  handles (local placeholders from :mod:`remotorch.handles`);
+* trainable parameters held in worker slots (:mod:`remotorch.params`), so
+  that backward graphs accumulate parameter gradients there and a worker-side
+  optimizer (:mod:`remotorch.optim`) updates them in place;
+* :meth:`TrainingClient.pull`, which brings the worker's values back.
+
+Releases of freed handles and slots ride on the next training request. It uses
+the session's own request path and upload cache (``_request``,
+``_ensure_graph``, ``_resident_ids``) and its lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import errors
+from .codec import messages as m
+from .codec.tensors import tensor_from_wire, tensor_to_wire
+from .handles import ForwardCall, HandleTable, call_of, handle_of
+from .params import ParamSlots, Slot, owner_of
+
+if TYPE_CHECKING:
+    from .capture.remote import RemoteGraph
+    from .session import Session
+
+log = logging.getLogger(__name__)
+
+_UNRECOVERABLE = ("handle:", "slot:", "optim:")
+
+
+def training_client(session: Session) -> TrainingClient:
+    """The session's training state, created on first use."""
+    client = getattr(session, "_training_client", None)
+    if client is None:
+        with session._lock:
+            client = getattr(session, "_training_client", None)
+            if client is None:
+                client = session._training_client = TrainingClient(session)
+    return client
+
+
+def has_slots(session: Session) -> bool:
+    """True when some parameter of this session lives in a worker slot."""
+    client = getattr(session, "_training_client", None)
+    return client is not None and len(client.slots) > 0
+
+
+class TrainingClient:
+    """Handles, parameter slots and optimizer ids of one session."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.handles = HandleTable()
+        self.slots = ParamSlots(session)
+        self._next_optim = 1
+        self._dropped_optims: list[int] = []
+
+    # ----------------------------------------------------------------- releases
+    def new_optim_id(self) -> int:
+        oid, self._next_optim = self._next_optim, self._next_optim + 1
+        return oid
+
+    def drop_optim(self, oid: int) -> None:
+        self._dropped_optims.append(oid)
+
+    def take_release(self) -> m.Release | None:
+        """What to tell the worker to drop, piggy-backed on the next request (None: nothing)."""
+        handles, slots = self.handles.take_released(), self.slots.take_dropped()
+        optims, self._dropped_optims = self._dropped_optims, []
+        if not (handles or slots or optims):
+            return None
+        return m.Release(handles, slots, optims)
+
+    def flush(self) -> None:
+        """Send pending releases now (normally they wait for the next training request)."""
+        with self.session._lock:
+            release = self.take_release()
+            if release is not None:
+                self.session._request(release)
+
+    # -------------------------------------------------------------------- slots
+    def claim(self, t: torch.Tensor) -> Slot:
+        """This session's slot for a parameter; ForeignParameterError if another session holds it."""
+        other = owner_of(t)
+        if other is not None and other is not self.session and not other._closed:
+            theirs = getattr(other, "_training_client", None)
+            if theirs is not None and theirs.slots.lookup(t) is not None:
+                raise errors.ForeignParameterError(
+                    f"parameter of shape {list(t.shape)} is held by another session's worker; "
+                    "use that session (or pull it and close that session first)")
+        return self.slots.get_or_new(t)
+
+    def bind_stale(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Upload local values into the slots whose local copy moved (or that are new)."""
+        s = self.session
+        todo = []
+        for t in tensors:
+            slot = self.claim(t)
+            if self.slots.stale(slot, t) and all(slot is not d[1] for d in todo):
+                todo.append((t, slot))
+        if not todo:
+            return
+        values, frames = [], []
+        for t, _ in todo:
+            tid = self._known_content(t)
+            if tid is not None:
+                values.append(m.RefArg(tid))
+            else:
+                meta, buf = tensor_to_wire(t, len(frames))
+                values.append(m.TensorArg(meta))
+                frames.append(buf)
+        versions = [t._version for t, _ in todo]
+        s._request(m.BindSlots([slot.sid for _, slot in todo], values), frames)
+        for (_, slot), version in zip(todo, versions):
+            slot.version = version
+        s._stats["tensors_uploaded"] += len(frames)
+
+    def _known_content(self, t: torch.Tensor) -> str | None:
+        """The content id the worker already holds for this exact local value, if any."""
+        entry = self.session._resident.get(id(t))
+        if entry is not None and entry[0]() is t and entry[1] == t._version \
+                and entry[2] in self.session._tensors_on_worker:
+            return entry[2]
+        return None
+
+    def push_local_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """Move gradients autograd left on local parameters into their slots' gradients.
+
+        They appear where a gradient did not come from a remote backward graph
+        (a parameter used by local code between graph breaks, or a backward
+        graph that saved nothing to route them by).
+        """
+        todo = [p for p in params if p.grad is not None]
+        if not todo:
+            return
+        self.bind_stale(todo)
+        metas, frames = [], []
+        for p in todo:
+            meta, buf = tensor_to_wire(p.grad, len(frames))
+            metas.append(meta)
+            frames.append(buf)
+        self.session._request(m.AccumulateGrads([self.slots.lookup(p).sid for p in todo], metas), frames)
+        for p in todo:
+            p.grad = None
+
+    # ---------------------------------------------------------------------- run
+    def run(self, graph: RemoteGraph, args: Sequence) -> list:
+        """Run a graph with resident state; saved outputs of a forward come back as placeholders."""
+        s = self.session
+        with s._lock:
+            for attempt in range(2):
+                try:
+                    s._ensure_graph(graph)
+                    req, frames, call = self._pack(graph, args)
+                    reply, out_frames = s._request(req, frames)
+                    break
+                except errors.MissingObjectsError as exc:
+                    if attempt or any(str(i).startswith(_UNRECOVERABLE) for i in exc.tensors):
+                        raise
+                    s._graphs_on_worker.difference_update(exc.graphs)
+                    s._tensors_on_worker.difference_update(exc.tensors)
+            s._stats["remote_calls"] += 1
+            s._stats["remote_ms"] += reply.run_ms
+            return self._unpack(graph, reply, out_frames, call)
+
+    def _pack(self, graph: RemoteGraph, args: Sequence) -> tuple[m.RunResident, list, ForwardCall]:
+        call = ForwardCall(len(args))
+        resident = set(graph.resident)
+        slotted = [i for i in graph.resident if self._wants_slot(graph, args[i])]
+        self.bind_stale([args[i] for i in slotted])
+        plain = [i for i in graph.resident if i not in set(slotted)]
+        refs = dict(zip(plain, self.session._resident_ids([args[i] for i in plain])))
+        run_args, frames = [], []
+        backward_of: ForwardCall | None = None
+        for i, a in enumerate(args):
+            hid = handle_of(a)
+            if hid is not None:
+                run_args.append(m.HandleArg(hid))
+                backward_of = backward_of or call_of(a)
+            elif i in refs:
+                run_args.append(m.RefArg(refs[i]))
+            elif i in resident:
+                sid = self.slots.lookup(a).sid
+                call.slots[i] = sid
+                run_args.append(m.SlotArg(sid))
+            elif isinstance(a, torch.Tensor):
+                meta, buf = tensor_to_wire(a, len(frames))
+                run_args.append(m.TensorArg(meta))
+                frames.append(buf)
+            else:
+                run_args.append(m.ScalarArg(_scalar(a)))
+        keep_from, base = -1, 0
+        if graph.saved_from is not None:
+            keep_from = graph.saved_from
+            base = self.handles.reserve(sum(d is not None for d in graph.output_devices[keep_from:]))
+        grads = []
+        if backward_of is not None and backward_of.n_inputs == len(graph.output_devices):
+            grads = [[i, sid] for i, sid in backward_of.slots.items()]
+        req = m.RunResident(graph.graph_id, graph.engine, run_args, keep_from, base, grads,
+                            self.take_release())
+        return req, frames, call
+
+    def _wants_slot(self, graph: RemoteGraph, t) -> bool:
+        if not isinstance(t, torch.Tensor):
+            return False
+        if graph.saved_from is not None and t.requires_grad:
+            return True  # a trainable parameter of a training forward
+        return self.slots.lookup(t) is not None
+
+    def _unpack(self, graph: RemoteGraph, reply, frames: list, call: ForwardCall) -> list:
+        if not isinstance(reply, m.ResidentReply) or len(reply.outputs) != len(graph.output_devices):
+            raise errors.ProtocolError("worker answered a training run with the wrong reply")
+        outs = []
+        for arg, device in zip(reply.outputs, graph.output_devices):
+            if isinstance(arg, m.HandleArg):
+                outs.append(self.handles.placeholder(arg.id, call))
+            elif isinstance(arg, m.TensorArg):
+                t = tensor_from_wire(arg.meta, frames[arg.meta.frame])
+                outs.append(t if device is None or device.type == "cpu" else t.to(device))
+            elif isinstance(arg, m.ScalarArg):
+                outs.append(arg.value)
+            else:
+                raise errors.ProtocolError("worker answered a run with a tensor reference")
+        return outs
+
+    # --------------------------------------------------------------------- pull
+    def pull(self, module: torch.nn.Module, grads: bool = False) -> int:
+        """Copy slot values (and gradients) from the worker into ``module``; returns how many."""
+        s = self.session
+        tensors = [t for _, t in module.named_parameters()] + [t for _, t in module.named_buffers()]
+        with s._lock:
+            pairs = [(t, self.slots.lookup(t)) for t in tensors]
+            pairs = [(t, slot) for t, slot in pairs if slot is not None and slot.version >= 0]
+            if not pairs:
+                return 0
+            self.bind_stale([t for t, _ in pairs])  # a local change made since wins, as on a call
+            reply, frames = s._request(m.PullSlots([slot.sid for _, slot in pairs], grads))
+            if not isinstance(reply, m.PullReply) or len(reply.values) != len(pairs):
+                raise errors.ProtocolError("worker answered a pull with the wrong reply")
+            for (t, slot), meta in zip(pairs, reply.values):
+                with torch.no_grad():
+                    t.copy_(tensor_from_wire(meta, frames[meta.frame]))
+                slot.version = t._version
+            for (t, _), meta in zip(pairs, reply.grads if grads else []):
+                t.grad = None if meta is None else tensor_from_wire(meta, frames[meta.frame]).clone().to(t.device)
+        return len(pairs)
+
+
+def _scalar(a):
+    if a is None or isinstance(a, (bool, int, float)):
+        return a
+    raise errors.UnsupportedGraphError(f"argument of type {type(a).__name__} cannot travel")
