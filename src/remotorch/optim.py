@@ -90,11 +90,15 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _prepare(self) -> None:
-        """Parameters changed locally are re-sent, local gradients moved to the worker."""
+    def _prepare(self) -> list[torch.Tensor]:
+        """Parameters changed locally are re-sent, local gradients moved to the worker.
+
+        Returns the parameters that had local gradients: local code uses them,
+        so after a step their new values are brought back.
+        """
         params = self._params()
         self._client.bind_stale(params)
-        self._client.push_local_grads(params)
+        return self._client.push_local_grads(params)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
@@ -115,8 +119,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
             changed.pop()
         s = self.session
         with s._lock:
-            self._prepare()
+            used_locally = self._prepare()
             s._request(m.OptimStep(self._id, changed, self._client.take_release()))
+            if used_locally:
+                self._client.pull_tensors(used_locally)
         self._sent = hyper
         return loss
 

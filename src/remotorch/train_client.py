@@ -133,16 +133,16 @@ class TrainingClient:
             return entry[2]
         return None
 
-    def push_local_grads(self, params: Sequence[torch.Tensor]) -> None:
+    def push_local_grads(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Move gradients autograd left on local parameters into their slots' gradients.
 
         They appear where a gradient did not come from a remote backward graph
         (a parameter used by local code between graph breaks, or a backward
-        graph that saved nothing to route them by).
+        graph that saved nothing to route them by). Returns those parameters.
         """
         todo = [p for p in params if p.grad is not None]
         if not todo:
-            return
+            return todo
         self.bind_stale(todo)
         metas, frames = [], []
         for p in todo:
@@ -152,6 +152,7 @@ class TrainingClient:
         self.session._request(m.AccumulateGrads([self.slots.lookup(p).sid for p in todo], metas), frames)
         for p in todo:
             p.grad = None
+        return todo
 
     # ---------------------------------------------------------------------- run
     def run(self, graph: RemoteGraph, args: Sequence) -> list:
@@ -236,8 +237,12 @@ class TrainingClient:
     # --------------------------------------------------------------------- pull
     def pull(self, module: torch.nn.Module, grads: bool = False) -> int:
         """Copy slot values (and gradients) from the worker into ``module``; returns how many."""
-        s = self.session
         tensors = [t for _, t in module.named_parameters()] + [t for _, t in module.named_buffers()]
+        return self.pull_tensors(tensors, grads)
+
+    def pull_tensors(self, tensors: Sequence[torch.Tensor], grads: bool = False) -> int:
+        """Copy slot values (and gradients) from the worker into these local tensors."""
+        s = self.session
         with s._lock:
             pairs = [(t, self.slots.lookup(t)) for t in tensors]
             pairs = [(t, slot) for t, slot in pairs if slot is not None and slot.version >= 0]

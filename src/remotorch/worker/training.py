@@ -28,7 +28,7 @@ import torch
 from ..errors import InvalidRequestError, MissingObjectsError, WorkerError
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
-_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -189,8 +189,8 @@ class TrainingState:
             raise InvalidRequestError(f"optimizer id {oid} is already in use")
         param_groups = [{**plain_hyper(h), "params": [self.slot(session, s) for s in g]}
                         for g, h in zip(groups, hyper)]
-        try:
-            st.optims[oid] = cls(param_groups)
+        try:  # the first group's values as the constructor's arguments: the class checks them
+            st.optims[oid] = cls(param_groups, **plain_hyper(hyper[0] if hyper else {}))
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(f"torch.optim.{name} refused its arguments: {exc}") from None
 
