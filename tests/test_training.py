@@ -459,7 +459,7 @@ def test_bad_training_requests_are_typed_errors(session):
     with pytest.raises(InvalidRequestError, match="refused its arguments"):
         session._request(m.OptimCreate(9003, "SGD", [[9001]], [{"lr": -0.1}]))
     with pytest.raises(InvalidRequestError, match="refused its arguments"):
-        session._request(m.OptimCreate(9005, "SGD", [[9001]], [{"lr": 0.1, "nonsense": 1}]))
+        session._request(m.OptimCreate(9005, "SGD", [[9001]], [{"lr": 0.1, "momentum": -1.0}]))
     with pytest.raises(MissingObjectsError):
         session._request(m.OptimStep(9099))
     with pytest.raises(MissingObjectsError):

@@ -67,7 +67,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             self._client.bind_stale(params_all)
             self._id = self._client.new_optim_id()
             groups = [[self._client.slots.lookup(p).sid for p in g["params"]] for g in self.param_groups]
-            s._request(m.OptimCreate(self._id, name, groups, self._sent))
+            self._client.request(m.OptimCreate(self._id, name, groups, self._sent))
         weakref.finalize(self, self._client.drop_optim, self._id)
 
     @staticmethod
@@ -120,18 +120,30 @@ class RemoteOptimizer(torch.optim.Optimizer):
         s = self.session
         with s._lock:
             used_locally = self._prepare()
-            s._request(m.OptimStep(self._id, changed, self._client.take_release()))
+            self._client.request(m.OptimStep(self._id, changed))
             if used_locally:
                 self._client.pull_tensors(used_locally)
         self._sent = hyper
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients on the worker (and any local ones)."""
-        super().zero_grad(set_to_none=set_to_none)
+        """Clear the gradients on the worker (and any local ones).
+
+        ``set_to_none=True`` (the default) costs no round trip: it rides on
+        the next request to the worker, which runs it before anything else.
+        """
+        for p in self._params():
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
         s = self.session
         with s._lock:
-            s._request(m.OptimZeroGrad(self._id, set_to_none))
+            if set_to_none:
+                self._client.defer_zero_grad(self._id)
+            else:
+                self._client.request(m.OptimZeroGrad(self._id, False))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -142,7 +154,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         s = self.session
         with s._lock:
             self._prepare()
-            reply, _ = s._request(m.ClipGradNorm(self._id, float(max_norm), float(norm_type),
+            reply, _ = self._client.request(m.ClipGradNorm(self._id, float(max_norm), float(norm_type),
                                                  bool(error_if_nonfinite)))
         if not isinstance(reply, m.NormReply):
             raise ProtocolError("worker answered clip_grad_norm_ with the wrong reply")

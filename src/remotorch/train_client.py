@@ -10,7 +10,8 @@ A :class:`TrainingClient` belongs to one :class:`~remotorch.session.Session`
   optimizer (:mod:`remotorch.optim`) updates them in place;
 * :meth:`TrainingClient.pull`, which brings the worker's values back.
 
-Releases of freed handles and slots ride on the next training request. It uses
+Releases of freed handles and slots, and ``zero_grad()``, ride on the next
+training request (:class:`~remotorch.codec.messages.Pending`). It uses
 the session's own request path and upload cache (``_request``,
 ``_ensure_graph``, ``_resident_ids``) and its lock.
 """
@@ -21,6 +22,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from . import errors
@@ -64,6 +66,7 @@ class TrainingClient:
         self.slots = ParamSlots(session)
         self._next_optim = 1
         self._dropped_optims: list[int] = []
+        self._zero_grad: list[int] = []
 
     # ----------------------------------------------------------------- releases
     def new_optim_id(self) -> int:
@@ -73,20 +76,33 @@ class TrainingClient:
     def drop_optim(self, oid: int) -> None:
         self._dropped_optims.append(oid)
 
-    def take_release(self) -> m.Release | None:
-        """What to tell the worker to drop, piggy-backed on the next request (None: nothing)."""
+    def defer_zero_grad(self, oid: int) -> None:
+        """Clear an optimizer's gradients (to None) before the next training request runs."""
+        if oid not in self._zero_grad:
+            self._zero_grad.append(oid)
+
+    def take_pending(self) -> m.Pending | None:
+        """Deferred housekeeping to piggy-back on the next training request (None: nothing)."""
         handles, slots = self.handles.take_released(), self.slots.take_dropped()
         optims, self._dropped_optims = self._dropped_optims, []
-        if not (handles or slots or optims):
+        zero, self._zero_grad = self._zero_grad, []
+        if not (handles or slots or optims or zero):
             return None
-        return m.Release(handles, slots, optims)
+        return m.Pending(handles, slots, optims, zero)
+
+    def request(self, body, frames: Sequence = ()):
+        """Send a training request with the deferred housekeeping riding on it."""
+        pending = self.take_pending()
+        if pending is not None:
+            body = msgspec.structs.replace(body, pending=pending)
+        return self.session._request(body, frames)
 
     def flush(self) -> None:
-        """Send pending releases now (normally they wait for the next training request)."""
+        """Send deferred housekeeping now (normally it waits for the next training request)."""
         with self.session._lock:
-            release = self.take_release()
-            if release is not None:
-                self.session._request(release)
+            pending = self.take_pending()
+            if pending is not None:
+                self.session._request(pending)
 
     # -------------------------------------------------------------------- slots
     def claim(self, t: torch.Tensor) -> Slot:
@@ -120,7 +136,7 @@ class TrainingClient:
                 values.append(m.TensorArg(meta))
                 frames.append(buf)
         versions = [t._version for t, _ in todo]
-        s._request(m.BindSlots([slot.sid for _, slot in todo], values), frames)
+        self.request(m.BindSlots([slot.sid for _, slot in todo], values), frames)
         for (_, slot), version in zip(todo, versions):
             slot.version = version
         s._stats["tensors_uploaded"] += len(frames)
@@ -149,7 +165,7 @@ class TrainingClient:
             meta, buf = tensor_to_wire(p.grad, len(frames))
             metas.append(meta)
             frames.append(buf)
-        self.session._request(m.AccumulateGrads([self.slots.lookup(p).sid for p in todo], metas), frames)
+        self.request(m.AccumulateGrads([self.slots.lookup(p).sid for p in todo], metas), frames)
         for p in todo:
             p.grad = None
         return todo
@@ -163,7 +179,7 @@ class TrainingClient:
                 try:
                     s._ensure_graph(graph)
                     req, frames, call = self._pack(graph, args)
-                    reply, out_frames = s._request(req, frames)
+                    reply, out_frames = self.request(req, frames)
                     break
                 except errors.MissingObjectsError as exc:
                     if attempt or any(str(i).startswith(_UNRECOVERABLE) for i in exc.tensors):
@@ -207,8 +223,7 @@ class TrainingClient:
         grads = []
         if backward_of is not None and backward_of.n_inputs == len(graph.output_devices):
             grads = [[i, sid] for i, sid in backward_of.slots.items()]
-        req = m.RunResident(graph.graph_id, graph.engine, run_args, keep_from, base, grads,
-                            self.take_release())
+        req = m.RunResident(graph.graph_id, graph.engine, run_args, keep_from, base, grads)
         return req, frames, call
 
     def _wants_slot(self, graph: RemoteGraph, t) -> bool:
@@ -249,7 +264,7 @@ class TrainingClient:
             if not pairs:
                 return 0
             self.bind_stale([t for t, _ in pairs])  # a local change made since wins, as on a call
-            reply, frames = s._request(m.PullSlots([slot.sid for _, slot in pairs], grads))
+            reply, frames = self.request(m.PullSlots([slot.sid for _, slot in pairs], grads))
             if not isinstance(reply, m.PullReply) or len(reply.values) != len(pairs):
                 raise errors.ProtocolError("worker answered a pull with the wrong reply")
             for (t, slot), meta in zip(pairs, reply.values):

@@ -18,9 +18,9 @@ from .worker import Worker
 def serve_training(worker: Worker, session: object, req, frames: list) -> tuple[bytes, list]:
     """Handle one request of :data:`remotorch.codec.messages.TRAINING_REQUESTS`."""
     state = worker.training
-    release = req if isinstance(req, m.Release) else getattr(req, "release", None)
-    if release is not None:
-        state.release(session, release.handles, release.slots, release.optims)
+    pending = req if isinstance(req, m.Pending) else req.pending
+    if pending is not None:
+        state.apply_pending(session, pending.zero_grad, pending.handles, pending.slots, pending.optims)
     if isinstance(req, m.RunResident):
         return _run(worker, session, req, frames)
     if isinstance(req, m.BindSlots):

@@ -124,6 +124,7 @@ Reply = Union[HealthReply, Ok, RunReply, EchoReply, ErrorReply]
 # Saved activations, trainable parameters and optimizers stay on the worker,
 # in the session; the client names them by small integers it chooses itself
 # (never reused within a client session, so a stale id can never name new state).
+# Every training request may carry ``pending`` housekeeping, applied first.
 class HandleArg(msgspec.Struct, frozen=True, tag="h", array_like=True):
     """A tensor the worker keeps for this session (a saved activation), by handle id."""
 
@@ -140,12 +141,18 @@ ResidentArg = Union[TensorArg, RefArg, ScalarArg, HandleArg, SlotArg]
 Hyper = Union[int, float, bool, None, str, list[Union[int, float, bool]]]
 
 
-class Release(msgspec.Struct, frozen=True, tag="release"):
-    """Drop handles, parameter slots and optimizers the client no longer references."""
+class Pending(msgspec.Struct, frozen=True, tag="pending"):
+    """Housekeeping the client deferred: applied before the request that carries it.
+
+    ``zero_grad``: optimizers whose gradients are cleared (set to None) first;
+    then the handles, parameter slots and optimizers the client no longer
+    references are dropped. Ids the session does not hold are ignored.
+    """
 
     handles: list[int] = []
     slots: list[int] = []
     optims: list[int] = []
+    zero_grad: list[int] = []
 
 
 class RunResident(msgspec.Struct, frozen=True, tag="run_resident"):
@@ -162,7 +169,7 @@ class RunResident(msgspec.Struct, frozen=True, tag="run_resident"):
     keep_from: int = -1
     handle_base: int = 0
     grads: list[list[int]] = []
-    release: Union[Release, None] = None
+    pending: Union[Pending, None] = None
 
 
 class BindSlots(msgspec.Struct, frozen=True, tag="bind_slots"):
@@ -170,6 +177,7 @@ class BindSlots(msgspec.Struct, frozen=True, tag="bind_slots"):
 
     slots: list[int]
     values: list[Union[TensorArg, RefArg]]
+    pending: Union[Pending, None] = None
 
 
 class AccumulateGrads(msgspec.Struct, frozen=True, tag="accumulate_grads"):
@@ -177,6 +185,7 @@ class AccumulateGrads(msgspec.Struct, frozen=True, tag="accumulate_grads"):
 
     slots: list[int]
     metas: list[TensorMeta]
+    pending: Union[Pending, None] = None
 
 
 class PullSlots(msgspec.Struct, frozen=True, tag="pull_slots"):
@@ -184,6 +193,7 @@ class PullSlots(msgspec.Struct, frozen=True, tag="pull_slots"):
 
     slots: list[int]
     grads: bool = False
+    pending: Union[Pending, None] = None
 
 
 class OptimCreate(msgspec.Struct, frozen=True, tag="optim_create"):
@@ -193,6 +203,7 @@ class OptimCreate(msgspec.Struct, frozen=True, tag="optim_create"):
     name: str
     groups: list[list[int]]
     hyper: list[dict[str, Hyper]]
+    pending: Union[Pending, None] = None
 
 
 class OptimStep(msgspec.Struct, frozen=True, tag="optim_step"):
@@ -200,7 +211,7 @@ class OptimStep(msgspec.Struct, frozen=True, tag="optim_step"):
 
     optim: int
     hyper: list[dict[str, Hyper]] = []
-    release: Union[Release, None] = None
+    pending: Union[Pending, None] = None
 
 
 class OptimZeroGrad(msgspec.Struct, frozen=True, tag="optim_zero_grad"):
@@ -208,6 +219,7 @@ class OptimZeroGrad(msgspec.Struct, frozen=True, tag="optim_zero_grad"):
 
     optim: int
     set_to_none: bool = True
+    pending: Union[Pending, None] = None
 
 
 class ClipGradNorm(msgspec.Struct, frozen=True, tag="clip_grad_norm"):
@@ -217,6 +229,7 @@ class ClipGradNorm(msgspec.Struct, frozen=True, tag="clip_grad_norm"):
     max_norm: float
     norm_type: float = 2.0
     error_if_nonfinite: bool = False
+    pending: Union[Pending, None] = None
 
 
 class ResidentReply(msgspec.Struct, frozen=True, tag="resident_reply"):
@@ -238,9 +251,9 @@ class NormReply(msgspec.Struct, frozen=True, tag="norm_reply"):
     norm: float
 
 
-TrainingRequest = Union[Release, RunResident, BindSlots, AccumulateGrads, PullSlots, OptimCreate,
+TrainingRequest = Union[Pending, RunResident, BindSlots, AccumulateGrads, PullSlots, OptimCreate,
                         OptimStep, OptimZeroGrad, ClipGradNorm]
-TRAINING_REQUESTS = (Release, RunResident, BindSlots, AccumulateGrads, PullSlots, OptimCreate,
+TRAINING_REQUESTS = (Pending, RunResident, BindSlots, AccumulateGrads, PullSlots, OptimCreate,
                      OptimStep, OptimZeroGrad, ClipGradNorm)
 Request = Union[Request, TrainingRequest]
 Reply = Union[Reply, ResidentReply, PullReply, NormReply]

@@ -18,6 +18,7 @@ messages and calls these methods.
 
 from __future__ import annotations
 
+import inspect
 import re
 import threading
 import traceback
@@ -107,9 +108,14 @@ class TrainingState:
         return total
 
     # ----------------------------------------------------------------- handles
-    def release(self, session: object, handles=(), slots=(), optims=()) -> None:
-        """Forget handles, slots and optimizers; ids this session does not hold are ignored."""
+    def apply_pending(self, session: object, zero_grad=(), handles=(), slots=(), optims=()) -> None:
+        """Deferred housekeeping: clear optimizers' gradients (set to None), then forget handles,
+        slots and optimizers. Ids this session does not hold are ignored."""
         st = self._state(session)
+        for o in zero_grad:
+            opt = st.optims.get(o)
+            if opt is not None:
+                opt.zero_grad(set_to_none=True)
         for h in handles:
             st.handles.pop(h, None)
         for s in slots:
@@ -189,8 +195,12 @@ class TrainingState:
             raise InvalidRequestError(f"optimizer id {oid} is already in use")
         param_groups = [{**plain_hyper(h), "params": [self.slot(session, s) for s in g]}
                         for g, h in zip(groups, hyper)]
-        try:  # the first group's values as the constructor's arguments: the class checks them
-            st.optims[oid] = cls(param_groups, **plain_hyper(hyper[0] if hyper else {}))
+        # the first group's values that the constructor takes become its arguments, so the
+        # class checks them (a group may hold more keys, e.g. a scheduler's initial_lr)
+        takes = inspect.signature(cls.__init__).parameters
+        first = plain_hyper(hyper[0]) if hyper else {}
+        try:
+            st.optims[oid] = cls(param_groups, **{k: v for k, v in first.items() if k in takes})
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(f"torch.optim.{name} refused its arguments: {exc}") from None
 
