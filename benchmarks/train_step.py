@@ -18,7 +18,8 @@ with MSE):
    (max abs parameter difference printed).
 3. **Worker memory**: ``resident_bytes`` from the worker's health reply after
    10 and after ``--steps`` (default 1,000) steps, pending releases flushed
-   first; the worker serves only this benchmark's session when spawned here.
+   first, less what the worker held before this model's session started
+   (each model trains in its own session).
    Expected: flat, parameters + AdamW state (3× the parameters, plus a step
    counter per tensor).
 
@@ -107,7 +108,7 @@ class Case:
         return loss
 
 
-def measure(case: Case, session: remotorch.Session, steps: int) -> dict:
+def measure(case: Case, session: remotorch.Session, steps: int, baseline: int) -> dict:
     batches = [case.batch() for _ in range(8)]
     x, y = batches[0]
     done = 0
@@ -116,7 +117,7 @@ def measure(case: Case, session: remotorch.Session, steps: int) -> dict:
         case.local(*batches[done % len(batches)])
         done += 1
     session.flush_releases()
-    mem_early, early_at = session.health()["resident_bytes"], done
+    mem_early, early_at = session.health()["resident_bytes"] - baseline, done
     # wire bytes over warm steps
     before = session.stats()
     n_wire = 20
@@ -143,7 +144,7 @@ def measure(case: Case, session: remotorch.Session, steps: int) -> dict:
         done += 1
         i += 1
     session.flush_releases()
-    mem_late = session.health()["resident_bytes"]
+    mem_late = session.health()["resident_bytes"] - baseline
     session.pull(case.model)
     diff = max((p - q).abs().max().item() for p, q in zip(case.model.parameters(), case.reference.parameters()))
     params = sum(p.numel() * p.element_size() for p in case.model.parameters())
@@ -192,21 +193,28 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     results, ok = {}, True
     try:
-        with remotorch.Session(url, token=token) as session:
-            info = session.health()
+        with remotorch.Session(url, token=token) as observer:
+            info = observer.health()
             print(f"remotorch training-step benchmark: torch {torch.__version__}, python "
                   f"{platform.python_version()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} "
                   f"intra-op threads here; worker {url} on {info['device']}, engine eager")
-            torch.manual_seed(0)
-            cases = [
-                Case("MLP 784-256-10, batch 32, cross-entropy", models.mlp(), F.cross_entropy,
-                     lambda: (torch.randn(32, 784), torch.randint(0, 10, (32,))), session),
-                Case("Transformer block dim 64, 4 heads, batch 8x16, MSE", models.TransformerBlock(),
-                     F.mse_loss, lambda: (torch.randn(8, 16, 64), torch.randn(8, 16, 64)), session),
+            specs = [
+                ("MLP 784-256-10, batch 32, cross-entropy", models.mlp, F.cross_entropy,
+                 lambda: (torch.randn(32, 784), torch.randint(0, 10, (32,)))),
+                ("Transformer block dim 64, 4 heads, batch 8x16, MSE", models.TransformerBlock,
+                 F.mse_loss, lambda: (torch.randn(8, 16, 64), torch.randn(8, 16, 64))),
             ]
-            for case in cases:
-                results[case.name] = measure(case, session, args.steps)
-                ok &= report(case.name, results[case.name])
+            for name, make, loss, batch in specs:
+                # each model in its own session, so the worker's memory figures are its alone
+                baseline = observer.health()["resident_bytes"]
+                torch.manual_seed(0)
+                with remotorch.Session(url, token=token) as session:
+                    results[name] = measure(Case(name, make(), loss, batch, session), session,
+                                            args.steps, baseline)
+                ok &= report(name, results[name])
+                deadline = time.monotonic() + 10
+                while observer.health()["resident_bytes"] != baseline and time.monotonic() < deadline:
+                    time.sleep(0.05)
     finally:
         if proc is not None:
             proc.stdin.close()
