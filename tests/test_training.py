@@ -484,3 +484,27 @@ def test_backward_after_the_worker_lost_the_activations_is_a_typed_error(session
     with pytest.raises(MissingObjectsError, match="handle"):
         loss.backward()
     assert session.health()["name"] == "test"
+
+
+def test_batch_norm_training_updates_buffers_without_growing_worker_memory(start_server, make_session):
+    srv = start_server(name="batchnorm")
+    session = make_session(srv.url)
+    torch.manual_seed(20)
+    model = models.SmallCNN()
+    reference, _, _ = train_pair(model, classifier_loss,
+                                 lambda: (torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))),
+                                 session, 3, torch.optim.SGD, lr=0.05)
+    session.flush_releases()
+    early = session.health()["resident_bytes"]
+    # the running statistics came back (they are local state) and changed every step
+    for (name, b), rb in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(b, rb, msg=name, **TOL)
+    step = compile_remote(classifier_loss(model), session)
+    opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), session=session, lr=0.05)
+    for _ in range(10):
+        step(torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))).backward()
+        opt.step()
+        opt.zero_grad()
+    session.flush_releases()
+    # superseded buffer values were released: only the second optimizer's (empty) state is new
+    assert session.health()["resident_bytes"] == early

@@ -35,6 +35,7 @@ class ParamSlots:
         self._by_tensor: dict[int, Slot] = {}
         self._next = 1
         self._dropped: deque[int] = deque()
+        self.bound = False  # some slot was bound on the worker: it holds parameters of record
 
     def __len__(self) -> int:
         return len(self._by_tensor)

@@ -54,7 +54,7 @@ def training_client(session: Session) -> TrainingClient:
 def has_slots(session: Session) -> bool:
     """True when some parameter of this session lives in a worker slot."""
     client = getattr(session, "_training_client", None)
-    return client is not None and len(client.slots) > 0
+    return client is not None and client.slots.bound
 
 
 class TrainingClient:
@@ -67,6 +67,7 @@ class TrainingClient:
         self._next_optim = 1
         self._dropped_optims: list[int] = []
         self._zero_grad: list[int] = []
+        self._superseded: list[str] = []
 
     # ----------------------------------------------------------------- releases
     def new_optim_id(self) -> int:
@@ -86,9 +87,10 @@ class TrainingClient:
         handles, slots = self.handles.take_released(), self.slots.take_dropped()
         optims, self._dropped_optims = self._dropped_optims, []
         zero, self._zero_grad = self._zero_grad, []
-        if not (handles or slots or optims or zero):
+        superseded, self._superseded = self._superseded, []
+        if not (handles or slots or optims or zero or superseded):
             return None
-        return m.Pending(handles, slots, optims, zero)
+        return m.Pending(handles, slots, optims, zero, superseded)
 
     def request(self, body, frames: Sequence = ()):
         """Send a training request with the deferred housekeeping riding on it."""
@@ -139,6 +141,7 @@ class TrainingClient:
         self.request(m.BindSlots([slot.sid for _, slot in todo], values), frames)
         for (_, slot), version in zip(todo, versions):
             slot.version = version
+        self.slots.bound = True
         s._stats["tensors_uploaded"] += len(frames)
 
     def _known_content(self, t: torch.Tensor) -> str | None:
@@ -196,7 +199,7 @@ class TrainingClient:
         slotted = [i for i in graph.resident if self._wants_slot(graph, args[i])]
         self.bind_stale([args[i] for i in slotted])
         plain = [i for i in graph.resident if i not in set(slotted)]
-        refs = dict(zip(plain, self.session._resident_ids([args[i] for i in plain])))
+        refs = dict(zip(plain, self._content_ids([args[i] for i in plain])))
         run_args, frames = [], []
         backward_of: ForwardCall | None = None
         for i, a in enumerate(args):
@@ -225,6 +228,26 @@ class TrainingClient:
             grads = [[i, sid] for i, sid in backward_of.slots.items()]
         req = m.RunResident(graph.graph_id, graph.engine, run_args, keep_from, base, grads)
         return req, frames, call
+
+    def _content_ids(self, tensors: list) -> list[str]:
+        """The session's content ids for resident tensors that do not train (buffers, frozen weights).
+
+        A training forward typically updates buffers (batch norm statistics):
+        the new value gets a new id and is uploaded, and the superseded one is
+        released on the worker, or it would hold one copy per step.
+        """
+        s = self.session
+        before = []
+        for t in tensors:
+            entry = s._resident.get(id(t))
+            before.append(entry[2] if entry is not None and entry[0]() is t else None)
+        ids = s._resident_ids(tensors)
+        live = set(ids)
+        for old in before:
+            if old is not None and old not in live and old in s._tensors_on_worker:
+                s._tensors_on_worker.discard(old)
+                self._superseded.append(old)
+        return ids
 
     def _wants_slot(self, graph: RemoteGraph, t) -> bool:
         if not isinstance(t, torch.Tensor):

@@ -21,6 +21,7 @@ def serve_training(worker: Worker, session: object, req, frames: list) -> tuple[
     pending = req if isinstance(req, m.Pending) else req.pending
     if pending is not None:
         state.apply_pending(session, pending.zero_grad, pending.handles, pending.slots, pending.optims)
+        worker.release_tensors(session, pending.tensors)
     if isinstance(req, m.RunResident):
         return _run(worker, session, req, frames)
     if isinstance(req, m.BindSlots):

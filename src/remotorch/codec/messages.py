@@ -145,7 +145,8 @@ class Pending(msgspec.Struct, frozen=True, tag="pending"):
     """Housekeeping the client deferred: applied before the request that carries it.
 
     ``zero_grad``: optimizers whose gradients are cleared (set to None) first;
-    then the handles, parameter slots and optimizers the client no longer
+    then the handles, parameter slots, optimizers and uploaded tensors
+    (content ids, e.g. a buffer's superseded value) the client no longer
     references are dropped. Ids the session does not hold are ignored.
     """
 
@@ -153,6 +154,7 @@ class Pending(msgspec.Struct, frozen=True, tag="pending"):
     slots: list[int] = []
     optims: list[int] = []
     zero_grad: list[int] = []
+    tensors: list[str] = []
 
 
 class RunResident(msgspec.Struct, frozen=True, tag="run_resident"):

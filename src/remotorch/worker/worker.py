@@ -117,6 +117,10 @@ class Worker:
             tensor = self.wire_tensor(meta, frames).to(self.device)
             self._tensors.put(session, tid, tensor, tensor.numel() * tensor.element_size())
 
+    def release_tensors(self, session: object, ids) -> None:
+        """Drop this session's hold on uploaded tensors (a superseded version of a buffer)."""
+        self._tensors.release(session, ids)
+
     def resident_tensor(self, session: object, tid: str) -> torch.Tensor:
         """A tensor this session uploaded with ``put_tensors``; MissingObjectsError otherwise."""
         if self._tensors.missing(session, [tid]):
