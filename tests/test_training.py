@@ -125,6 +125,30 @@ def test_other_torch_optim_classes_match_local(session, opt_cls, hyper):
     assert_same_parameters(model, reference)
 
 
+def test_parameter_groups_with_their_own_hyperparameters(session):
+    torch.manual_seed(21)
+    model = models.mlp()
+    reference = copy.deepcopy(model)
+
+    def groups(m):
+        return [{"params": m[0].parameters(), "lr": 0.05, "weight_decay": 0.01},
+                {"params": m[2].parameters()}]
+    step = compile_remote(classifier_loss(model), session)
+    opt = remotorch.optim.RemoteOptimizer(torch.optim.SGD, groups(model), session=session, lr=0.2,
+                                          momentum=0.5)
+    ref_opt = torch.optim.SGD(groups(reference), lr=0.2, momentum=0.5)
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups] == [0.05, 0.2]
+    for _ in range(3):
+        x, y = mlp_batch(8)
+        step(x, y).backward()
+        classifier_loss(reference)(x, y).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    session.pull(model)
+    assert_same_parameters(model, reference)
+
+
 # ------------------------------------------------------------------- wire bytes
 def test_steady_state_step_carries_only_inputs_labels_and_loss(session):
     torch.manual_seed(3)

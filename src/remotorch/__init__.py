@@ -8,6 +8,7 @@ worker (an embedded loopback worker when none is configured).
 from __future__ import annotations
 
 from . import errors
+from . import optim  # RemoteOptimizer: torch.optim on the worker
 from .capture.backend import compile, remotorch_backend
 from .session import Session, default_session
 

@@ -60,6 +60,10 @@ class HandleTable:
         self._next += n
         return base
 
+    def seen(self, hid: int) -> None:
+        """Never hand out ``hid`` again (the worker kept more outputs than reserved for)."""
+        self._next = max(self._next, hid + 1)
+
     def placeholder(self, hid: int, call: ForwardCall) -> torch.Tensor:
         """An empty tensor standing for worker handle ``hid``; its death releases the handle."""
         t = torch.empty(0)

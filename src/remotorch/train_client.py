@@ -196,9 +196,9 @@ class TrainingClient:
     def _pack(self, graph: RemoteGraph, args: Sequence) -> tuple[m.RunResident, list, ForwardCall]:
         call = ForwardCall(len(args))
         resident = set(graph.resident)
-        slotted = [i for i in graph.resident if self._wants_slot(graph, args[i])]
-        self.bind_stale([args[i] for i in slotted])
-        plain = [i for i in graph.resident if i not in set(slotted)]
+        slotted = {i for i in graph.resident if self._wants_slot(graph, args[i])}
+        self.bind_stale([args[i] for i in graph.resident if i in slotted])
+        plain = [i for i in graph.resident if i not in slotted]
         refs = dict(zip(plain, self._content_ids([args[i] for i in plain])))
         run_args, frames = [], []
         backward_of: ForwardCall | None = None
@@ -206,7 +206,8 @@ class TrainingClient:
             hid = handle_of(a)
             if hid is not None:
                 run_args.append(m.HandleArg(hid))
-                backward_of = backward_of or call_of(a)
+                if backward_of is None:
+                    backward_of = call_of(a)
             elif i in refs:
                 run_args.append(m.RefArg(refs[i]))
             elif i in resident:
@@ -263,6 +264,7 @@ class TrainingClient:
         for arg, device in zip(reply.outputs, graph.output_devices):
             if isinstance(arg, m.HandleArg):
                 outs.append(self.handles.placeholder(arg.id, call))
+                self.handles.seen(arg.id)
             elif isinstance(arg, m.TensorArg):
                 t = tensor_from_wire(arg.meta, frames[arg.meta.frame])
                 outs.append(t if device is None or device.type == "cpu" else t.to(device))
