@@ -162,8 +162,6 @@ def test_backward_gradients_match_eager_and_updated_weights_are_reuploaded(sessi
     x = torch.randn(8, 784)
     compiled(x).pow(2).sum().backward()
     reference(x).pow(2).sum().backward()
-    assert all(p.grad is None for p in model.parameters())  # gradients stay on the worker
-    assert session.pull(model, grads=True) == 4
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad), name
     stats = session.stats()

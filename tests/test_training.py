@@ -297,6 +297,7 @@ def test_gradients_accumulate_with_pytorch_semantics_and_input_grads_come_back(s
     model = models.mlp()
     reference = copy.deepcopy(model)
     compiled = compile_remote(model, session)
+    opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), session=session, lr=0.1)  # noqa: F841
     xs = [torch.randn(4, 784, requires_grad=True) for _ in range(2)]
     ref_xs = [x.detach().clone().requires_grad_() for x in xs]
     for x, rx in zip(xs, ref_xs):  # two backward passes, no zero_grad: gradients add up
@@ -313,6 +314,7 @@ def test_retain_graph_allows_a_second_backward(session):
     model = models.mlp()
     reference = copy.deepcopy(model)
     x = torch.randn(4, 784)
+    opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), session=session, lr=0.1)  # noqa: F841
     loss = compile_remote(model, session)(x).pow(2).sum()
     ref_loss = reference(x).pow(2).sum()
     for _ in range(2):
@@ -343,6 +345,33 @@ def test_parameters_used_by_local_code_get_their_gradients_and_new_values(sessio
         opt.zero_grad()
         ref_opt.zero_grad()
         torch.testing.assert_close(scale, ref_scale)  # brought back after each step: local code uses it
+    session.pull(model)
+    assert_same_parameters(model, reference)
+
+
+def test_without_a_remote_optimizer_gradients_come_back_for_a_local_one(session):
+    torch.manual_seed(22)
+    model = models.mlp()
+    reference = copy.deepcopy(model)
+    step = compile_remote(classifier_loss(model), session)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)]
+    for _ in range(3):  # a local optimizer: gradients come back, updated weights go up again
+        x, y = mlp_batch(8)
+        step(x, y).backward()
+        classifier_loss(reference)(x, y).backward()
+        assert all(p.grad is not None for p in model.parameters())
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    assert_same_parameters(model, reference)
+    # a RemoteOptimizer created after a backward takes the local gradients along
+    x, y = mlp_batch(8)
+    step(x, y).backward()
+    classifier_loss(reference)(x, y).backward()
+    opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), session=session, lr=0.1)
+    opt.step()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    assert all(p.grad is None for p in model.parameters())
     session.pull(model)
     assert_same_parameters(model, reference)
 

@@ -30,7 +30,8 @@ _CALL_ATTR = "_remotorch_call"
 
 @dataclass
 class ForwardCall:
-    """What one forward run needs to tell its backward: parameter slots by input index."""
+    """What one forward run tells its backward: the slots, by input index, whose gradients stay
+    on the worker (those an optimizer there manages)."""
 
     n_inputs: int
     slots: dict[int, int] = field(default_factory=dict)

@@ -66,8 +66,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         with s._lock:
             self._client.bind_stale(params_all)
             self._id = self._client.new_optim_id()
-            groups = [[self._client.slots.lookup(p).sid for p in g["params"]] for g in self.param_groups]
-            self._client.request(m.OptimCreate(self._id, name, groups, self._sent))
+            slots = [[self._client.slots.lookup(p) for p in g["params"]] for g in self.param_groups]
+            self._client.request(m.OptimCreate(self._id, name, [[s.sid for s in g] for g in slots], self._sent))
+            for slot in (s for g in slots for s in g):
+                slot.optims.add(self._id)
         weakref.finalize(self, self._client.drop_optim, self._id)
 
     @staticmethod

@@ -1,5 +1,12 @@
 """Which local parameters live in worker-side slots, and whether the local copy moved.
 
+Every trainable parameter a training forward uses gets a slot, so weights
+are not uploaded again each step. Its gradients stay on the worker only
+while a worker-side optimizer (:class:`remotorch.optim.RemoteOptimizer`)
+manages the slot; otherwise they come back to ``p.grad`` as in plain
+PyTorch, so a local optimizer keeps working (and its in-place updates are
+uploaded before the next call, as below).
+
 Once a trainable parameter is in a slot, the worker's value is the truth: the
 optimizer updates it there and the local tensor goes stale without its
 version counter moving. So a slot records the local ``_version`` at the last
@@ -13,7 +20,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +32,8 @@ class Slot:
     ref: weakref.ref
     sid: int
     version: int  # local _version when local and worker were last equal; -1 before the first bind
+    # worker-side optimizers over this slot: while there is one, gradients stay on the worker
+    optims: set[int] = field(default_factory=set)
 
 
 class ParamSlots:
@@ -61,6 +70,11 @@ class ParamSlots:
         if slot is not None and slot.sid == sid:
             del self._by_tensor[key]
         self._dropped.append(sid)
+
+    def forget_optim(self, oid: int) -> None:
+        """An optimizer is gone: its slots' gradients come back to the client again."""
+        for slot in self._by_tensor.values():
+            slot.optims.discard(oid)
 
     def stale(self, slot: Slot, t: torch.Tensor) -> bool:
         """True when the worker's slot does not hold this tensor's local value of record."""

@@ -76,6 +76,7 @@ class TrainingClient:
 
     def drop_optim(self, oid: int) -> None:
         self._dropped_optims.append(oid)
+        self.slots.forget_optim(oid)
 
     def defer_zero_grad(self, oid: int) -> None:
         """Clear an optimizer's gradients (to None) before the next training request runs."""
@@ -211,9 +212,10 @@ class TrainingClient:
             elif i in refs:
                 run_args.append(m.RefArg(refs[i]))
             elif i in resident:
-                sid = self.slots.lookup(a).sid
-                call.slots[i] = sid
-                run_args.append(m.SlotArg(sid))
+                slot = self.slots.lookup(a)
+                if slot.optims:  # its optimizer is on the worker: so are its gradients
+                    call.slots[i] = slot.sid
+                run_args.append(m.SlotArg(slot.sid))
             elif isinstance(a, torch.Tensor):
                 meta, buf = tensor_to_wire(a, len(frames))
                 run_args.append(m.TensorArg(meta))
