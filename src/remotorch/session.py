@@ -121,7 +121,9 @@ class Session:
         worker holds the parameters of record; this brings them back, e.g.
         before ``module.state_dict()``. Tensors the worker does not train
         (buffers, frozen parameters) are the local ones already and stay as
-        they are. Returns how many tensors were copied.
+        they are, and so do the gradients of parameters no worker-side
+        optimizer manages (they are in ``p.grad``). Returns how many tensors
+        were copied.
         """
         from .train_client import training_client
         return training_client(self).pull(module, grads)

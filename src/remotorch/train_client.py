@@ -298,8 +298,9 @@ class TrainingClient:
                 with torch.no_grad():
                     t.copy_(tensor_from_wire(meta, frames[meta.frame]))
                 slot.version = t._version
-            for (t, _), meta in zip(pairs, reply.grads if grads else []):
-                t.grad = None if meta is None else tensor_from_wire(meta, frames[meta.frame]).clone().to(t.device)
+            for (t, slot), meta in zip(pairs, reply.grads if grads else []):
+                if slot.optims:  # other gradients live in p.grad already
+                    t.grad = None if meta is None else tensor_from_wire(meta, frames[meta.frame]).clone().to(t.device)
         return len(pairs)
 
 
