@@ -103,17 +103,30 @@ def handshake_then_silence(conn: socket.socket) -> None:
 
 def handshake_then_bad_mac(conn: socket.socket) -> None:
     key = framing.server_handshake(conn, TOKEN.encode(), m.PROTOCOL_VERSION)
-    channel = framing.FramedChannel(conn, key, max_frame=1 << 20, max_header=1 << 20)
+    channel = framing.FramedChannel(conn, key, role="server", max_frame=1 << 20, max_header=1 << 20)
     channel.recv()
-    framing.FramedChannel(conn, b"k" * 32, max_frame=1, max_header=1).send(m.encode(m.Ok()))
+    framing.FramedChannel(conn, b"k" * 32, role="server", max_frame=1, max_header=1).send(m.encode(m.Ok()))
     time.sleep(0.5)
 
 
 def handshake_then_garbage_reply(conn: socket.socket) -> None:
     key = framing.server_handshake(conn, TOKEN.encode(), m.PROTOCOL_VERSION)
-    channel = framing.FramedChannel(conn, key, max_frame=1 << 20, max_header=1 << 20)
+    channel = framing.FramedChannel(conn, key, role="server", max_frame=1 << 20, max_header=1 << 20)
     channel.recv()
     channel.send(b"\xc1 not msgpack")
+    time.sleep(0.5)
+
+
+def handshake_then_tampered_frames(conn: socket.socket) -> None:
+    """A reply whose header MAC is right but whose buffer frame was altered in flight."""
+    key = framing.server_handshake(conn, TOKEN.encode(), m.PROTOCOL_VERSION)
+    channel = framing.FramedChannel(conn, key, role="server", max_frame=1 << 20, max_header=1 << 20)
+    channel.recv()
+    send_key, _ = framing.direction_keys(key, "server")
+    parts = framing.encode_message(send_key, 0, m.encode(m.EchoReply()), [b"\x00" * (framing.INLINE_MAC + 1)])
+    message = bytearray(b"".join(bytes(p) for p in parts))
+    message[-framing.MAC_SIZE - 1] ^= 0x01  # last byte of the frame
+    conn.sendall(bytes(message))
     time.sleep(0.5)
 
 
@@ -124,6 +137,7 @@ CASES = [
     (other_version, ProtocolError),
     (handshake_then_silence, WorkerUnavailableError),
     (handshake_then_bad_mac, AuthenticationError),
+    (handshake_then_tampered_frames, AuthenticationError),
     (handshake_then_garbage_reply, ProtocolError),
 ]
 

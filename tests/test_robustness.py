@@ -51,14 +51,13 @@ def authenticated(server) -> tuple[socket.socket, bytes]:
 
 
 def framed(key: bytes, seq: int, header: bytes, frames: tuple = ()) -> bytes:
-    """One message exactly as FramedChannel.send lays it out."""
-    lengths = [len(header)] + [len(f) for f in frames]
-    fixed = struct.pack("<4sQI", framing.MAGIC, seq, len(lengths)) + struct.pack(f"<{len(lengths)}Q", *lengths)
-    return fixed + framing._mac(key, fixed, header) + header + b"".join(frames)
+    """One client message exactly as FramedChannel.send lays it out."""
+    send_key, _ = framing.direction_keys(key, "client")
+    return b"".join(bytes(p) for p in framing.encode_message(send_key, seq, header, frames))
 
 
 def read_reply(sock: socket.socket, key: bytes, seq: int = 0):
-    channel = framing.FramedChannel(sock, key, max_frame=1 << 30, max_header=1 << 30)
+    channel = framing.FramedChannel(sock, key, role="client", max_frame=1 << 30, max_header=1 << 30)
     channel._recv_seq = seq
     header, frames, _ = channel.recv()
     return m.decode(header), frames
@@ -169,9 +168,24 @@ def altered_header_after_auth(server) -> None:
     sock, key = authenticated(server)
     with sock:
         message = bytearray(framed(key, 0, m.encode(m.Health())))
-        message[-1] ^= 0x01
+        message[24] ^= 0x01  # first byte of frame 0, after the 16-byte fixed part and one length
         sock.sendall(bytes(message))
         assert recv_until_closed(sock) == b""
+
+
+def altered_buffer_frame_after_auth(server) -> None:
+    """Tensor bytes changed in flight (header intact) fail the MAC: dropped unanswered.
+
+    Both ways of covering buffer frames are tried: inside the HMAC (small
+    frames) and through the Poly1305 tag (large frames).
+    """
+    for size in (1000, framing.INLINE_MAC + 1):
+        sock, key = authenticated(server)
+        with sock:
+            message = bytearray(framed(key, 0, m.encode(m.Echo()), (b"\x00" * size,)))
+            message[-(framing.MAC_SIZE + 10)] ^= 0x01  # a byte of the frame
+            sock.sendall(bytes(message))
+            assert recv_until_closed(sock) == b""
 
 
 def truncated_message(server) -> None:
@@ -190,6 +204,7 @@ def silent_connection(server) -> None:
 ABUSES = [random_bytes, connect_and_close, partial_hello, hello_with_wrong_proof, hello_with_wrong_version,
           client_refuses_server, garbage_after_auth, bad_mac_after_auth, replayed_message,
           oversized_frame_claim, zero_frames_claim, too_many_frames_claim, altered_header_after_auth,
+          altered_buffer_frame_after_auth,
           truncated_message, silent_connection]
 
 

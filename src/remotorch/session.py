@@ -1,7 +1,7 @@
 """The user-facing session: one worker, its upload cache, and the call policy.
 
 Policy lives here, each piece in its own method: upload-if-missing
-(:meth:`Session._ensure_graph`, :meth:`Session._resident_ids`), re-upload
+(:meth:`Session._ensure_graph`, :meth:`Session._pack_args`), re-upload
 after the worker forgot (:meth:`Session.run_graph`), a short back-off after a
 worker failed to answer (:meth:`Session._request`). Only :meth:`_request`
 touches the transport.
@@ -169,42 +169,45 @@ class Session:
         self._stats["graphs_uploaded"] += 1
 
     def _pack_args(self, graph: RemoteGraph, args: Sequence) -> tuple[list, list]:
-        run_args, frames = [], []
-        resident = dict(zip(graph.resident, self._resident_ids([args[i] for i in graph.resident])))
+        """Wire arguments: resident tensors by content id (uploading what the worker lacks), others inline."""
+        run_args, frames, uploads = [], [], []
+        resident = graph.resident_set
+        on_worker = self._tensors_on_worker
         for i, a in enumerate(args):
             if i in resident:
-                run_args.append(m.RefArg(resident[i]))
+                entry = self._resident.get(id(a))
+                if entry is None or entry[0]() is not a or entry[1] != a._version:
+                    entry = self._remember(a)
+                if entry[2] not in on_worker and all(entry[2] != u[0] for u in uploads):
+                    uploads.append((entry[2], a))
+                run_args.append(entry[3])
             elif isinstance(a, torch.Tensor):
                 meta, buf = tensor_to_wire(a, len(frames))
                 run_args.append(m.TensorArg(meta))
                 frames.append(buf)
             else:
                 run_args.append(m.ScalarArg(_scalar(a)))
-        return run_args, frames
-
-    def _resident_ids(self, tensors: list) -> list[str]:
-        """Content ids of resident tensors, uploading content the worker lacks.
-
-        A tensor is hashed again only when its version counter moved (an
-        in-place change), so warm calls cost one dict lookup per weight.
-        """
-        ids, uploads = [], []
-        for t in tensors:
-            entry = self._resident.get(id(t))
-            if entry is None or entry[0]() is not t or entry[1] != t._version:
-                meta, buf = tensor_to_wire(t, 0)
-                tid = content_id(meta, buf)
-                key = id(t)
-                self._resident[key] = (weakref.ref(t, lambda _, k=key: self._resident.pop(k, None)),
-                                       t._version, tid)
-            else:
-                tid = entry[2]
-            if tid not in self._tensors_on_worker and all(tid != u[0] for u in uploads):
-                uploads.append((tid, t))
-            ids.append(tid)
         if uploads:
             self._upload_tensors(uploads)
-        return ids
+        return run_args, frames
+
+    def _remember(self, t: torch.Tensor) -> tuple:
+        """Hash a resident tensor and remember its id until its version counter moves.
+
+        Warm calls then cost one dict lookup per weight; an in-place change
+        (which bumps ``_version``) makes the next call hash and upload again.
+        """
+        meta, buf = tensor_to_wire(t, 0)
+        tid = content_id(meta, buf)
+        key = id(t)
+
+        def forget(ref, key=key, cache=self._resident):
+            if cache.get(key, (None,))[0] is ref:
+                del cache[key]
+
+        entry = (weakref.ref(t, forget), t._version, tid, m.RefArg(tid))
+        self._resident[key] = entry
+        return entry
 
     def _upload_tensors(self, uploads: list) -> None:
         metas, frames = [], []

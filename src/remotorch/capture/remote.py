@@ -45,6 +45,7 @@ class RemoteGraph:
         self.engine = engine
         self.fallback = fallback
         self.resident = resident
+        self.resident_set = frozenset(resident)
         self.output_devices = output_devices
         self._session_getter = session_getter
         self._local = local

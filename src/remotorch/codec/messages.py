@@ -11,7 +11,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class TensorMeta(msgspec.Struct, frozen=True, array_like=True):

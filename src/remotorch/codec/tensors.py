@@ -30,6 +30,10 @@ _DTYPES: dict[str, torch.dtype] = {
 _NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
 DTYPE_NAMES = frozenset(_DTYPES)
 _ITEMSIZE: dict[torch.dtype, int] = {dt: torch.empty((), dtype=dt).element_size() for dt in _NAMES}
+# dtypes numpy can view directly (the fast path of tensor_to_wire)
+_NUMPY_VIEWABLE = frozenset({torch.float32, torch.float64, torch.float16, torch.int8, torch.int16,
+                             torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64,
+                             torch.complex128})
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -71,6 +75,10 @@ def _dense_span(t: torch.Tensor) -> torch.Tensor | None:
 def tensor_to_wire(t: torch.Tensor, frame: int) -> tuple[TensorMeta, memoryview]:
     """Describe a tensor and expose its bytes without copying (when it is dense on CPU)."""
     t = t.detach()
+    if (t.is_cpu and t.is_contiguous() and t.dtype in _NUMPY_VIEWABLE and not t.is_conj()
+            and not t.is_neg() and t.numel()):  # the common case, a few times cheaper
+        return (TensorMeta(_NAMES[t.dtype], list(t.shape), list(t.stride()), frame),
+                memoryview(t.numpy()).cast("B"))
     if t.device.type != "cpu":
         t = t.cpu()
     if t.is_conj():
@@ -96,6 +104,9 @@ def _contiguous_strides(shape) -> list[int]:
     return strides[::-1]
 
 
+_LIMIT = 1 << 62
+
+
 def tensor_from_wire(meta: TensorMeta, buf) -> torch.Tensor:
     """View a received buffer (bytes, memoryview or uint8 ndarray) as the described tensor.
 
@@ -103,23 +114,22 @@ def tensor_from_wire(meta: TensorMeta, buf) -> torch.Tensor:
     otherwise, so a hostile header cannot make the receiver read out of bounds.
     """
     dtype = dtype_from_name(meta.dtype)
-    shape, strides = list(meta.shape), list(meta.strides)
+    shape, strides = meta.shape, meta.strides
     if len(shape) != len(strides) or len(shape) > 64:
         raise ValueError("tensor meta: shape and strides disagree")
-    if any((not isinstance(x, int)) or not 0 <= x < 1 << 62 for x in shape + strides):
-        raise ValueError("tensor meta: size or stride out of range")
-    itemsize = _ITEMSIZE[dtype]
-    arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
-    numel = 1
-    for n in shape:
+    numel, span = 1, 1
+    for n, st in zip(shape, strides):
+        if type(n) is not int or type(st) is not int or not 0 <= n < _LIMIT or not 0 <= st < _LIMIT:
+            raise ValueError("tensor meta: size or stride out of range")
         numel *= n
+        span += (n - 1) * st
     if numel == 0:
         return torch.empty_strided(shape, strides, dtype=dtype)
-    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
-    if span * itemsize != arr.nbytes:
-        raise ValueError(f"tensor meta: layout needs {span * itemsize} bytes, frame has {arr.nbytes}")
+    arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    if span * _ITEMSIZE[dtype] != arr.nbytes:
+        raise ValueError(f"tensor meta: layout needs {span * _ITEMSIZE[dtype]} bytes, frame has {arr.nbytes}")
     base = torch.from_numpy(arr) if arr.flags.writeable else torch.frombuffer(bytearray(arr), dtype=torch.uint8)
-    base = base.view(dtype) if dtype != torch.uint8 else base
+    base = base.view(dtype) if dtype is not torch.uint8 else base
     return torch.as_strided(base, shape, strides, 0)
 
 

@@ -2,15 +2,18 @@
 
 Message on the wire::
 
-    prefix  = MAGIC(4) | seq u64 | nframes u32 | len u64 × nframes | mac(32)
-    payload = frame 0 (header) | frame 1 … (raw buffers, never copied)
+    MAGIC(4) | seq u64 | nframes u32 | len u64 × nframes     (the prefix)
+    | frame 0 (the header) | frame 1 … frame n-1 (raw buffers, never copied) | mac(32)
 
-``mac = HMAC-SHA256(session_key, prefix-without-mac | frame 0)`` and ``seq``
-must increase by one per message and direction, so a replayed or reordered
-message is refused before anything is decoded. The session key comes from a
-mutual challenge–response on the shared token when the connection opens
-(see :func:`client_handshake`). Buffer frames are covered by their lengths
-in the MAC; see docs/protocol.md for what that does and does not protect.
+``mac = HMAC-SHA256(k, prefix | frame 0 | D)``. When the buffer frames total
+at most 16 KiB, ``D`` is their bytes (one HMAC over the message); above
+that, ``D`` is a 16-byte Poly1305 tag over them under a one-time key derived
+from ``k`` and ``seq`` (several GB/s, where SHA-256 would be the bottleneck).
+``k`` is this direction's key, derived from the session key that a mutual
+challenge–response on the shared token yields when the connection opens
+(see :func:`client_handshake`). ``seq`` must increase by one per message and
+direction, so a replayed or reordered message is refused. A receiver
+verifies all of it before it returns anything (docs/protocol.md §4).
 """
 
 from __future__ import annotations
@@ -22,16 +25,19 @@ import struct
 from collections.abc import Sequence
 
 import numpy as np
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-MAGIC = b"RMT1"
+MAGIC = b"RMT2"
 HELLO = b"RMTH"
 _FIXED = struct.Struct("<4sQI")
 _HELLO = struct.Struct("<4sI32s")
+_SEQ = struct.Struct("<Q")
 MAC_SIZE = 32
+TAG_SIZE = 16
+INLINE_MAC = 16 << 10  # buffer frames up to this total go into the HMAC itself
 MAX_FRAMES = 65_536
 _IOV_MAX = 512
 _READ_BUFFER = 1 << 18
-_COALESCE = 1 << 16  # below this, one joined send beats scatter-gather
 
 
 class FramingError(Exception):
@@ -39,11 +45,46 @@ class FramingError(Exception):
 
 
 class AuthFailed(FramingError):
-    """The challenge–response on the token failed."""
+    """The challenge–response on the token failed, or a message's MAC or tag did."""
 
 
 def _mac(key: bytes, *parts) -> bytes:
     return hmac.digest(key, b"".join(parts), "sha256")
+
+
+def direction_keys(session_key: bytes, role: str) -> tuple[bytes, bytes]:
+    """(send key, receive key) of one end: each direction has its own key."""
+    c2s, s2c = _mac(session_key, b"client->server"), _mac(session_key, b"server->client")
+    if role == "client":
+        return c2s, s2c
+    if role == "server":
+        return s2c, c2s
+    raise ValueError(f"role must be 'client' or 'server', not {role!r}")
+
+
+def frames_key(key: bytes, seq: int) -> bytes:
+    """The one-time Poly1305 key for the buffer frames of message ``seq``."""
+    return hmac.digest(key, b"frames" + _SEQ.pack(seq), "sha256")
+
+
+def frames_tag(key: bytes, seq: int, frames: Sequence) -> bytes:
+    """Poly1305 tag over the bytes of every buffer frame, in order."""
+    p = Poly1305(frames_key(key, seq))
+    for f in frames:
+        p.update(f)
+    return p.finalize()
+
+
+def encode_message(key: bytes, seq: int, header: bytes, frames: Sequence = ()) -> list:
+    """The buffers of one message, in wire order (large frames are not copied)."""
+    views = [memoryview(f).cast("B") for f in frames]
+    sizes = [v.nbytes for v in views]
+    n = 1 + len(views)
+    head = _FIXED.pack(MAGIC, seq, n) + struct.pack(f"<{n}Q", len(header), *sizes) + header
+    if sum(sizes) <= INLINE_MAC:
+        body = b"".join([head, *views]) if views else head
+        return [body + hmac.digest(key, body, "sha256")]
+    return [head, *views, hmac.digest(key, head + frames_tag(key, seq, views), "sha256")]
 
 
 def recv_exact(sock: socket.socket, n: int) -> np.ndarray:
@@ -78,13 +119,15 @@ def send_all(sock: socket.socket, buffers: Sequence) -> int:
 class FramedChannel:
     """One authenticated message stream over a connected socket.
 
-    Small messages are read through one reusable buffer (about one syscall a
-    message); large frames are received straight into their own buffers.
+    ``role`` is ``"client"`` or ``"server"``: it picks this end's send and
+    receive keys. Small messages are read through one reusable buffer (about
+    one syscall a message); large frames are received straight into their
+    own buffers.
     """
 
-    def __init__(self, sock: socket.socket, key: bytes, *, max_frame: int, max_header: int) -> None:
+    def __init__(self, sock: socket.socket, key: bytes, *, role: str, max_frame: int, max_header: int) -> None:
         self.sock = sock
-        self._key = key
+        self._send_key, self._recv_key = direction_keys(key, role)
         self._send_seq = 0
         self._recv_seq = 0
         self.max_frame = max_frame
@@ -96,16 +139,12 @@ class FramedChannel:
 
     def send(self, header: bytes, frames: Sequence = ()) -> int:
         """Send header + frames as one message; returns bytes written."""
-        n = 1 + len(frames)
-        lengths = [len(header)] + [memoryview(f).nbytes for f in frames]
-        prefix = _FIXED.pack(MAGIC, self._send_seq, n) + struct.pack(f"<{n}Q", *lengths)
+        parts = encode_message(self._send_key, self._send_seq, header, frames)
         self._send_seq += 1
-        mac = _mac(self._key, prefix, header)
-        if n == 1 or sum(lengths) < _COALESCE:
-            data = b"".join([prefix, mac, header, *frames])
-            self.sock.sendall(data)
-            return len(data)
-        return send_all(self.sock, [prefix + mac, header, *frames])
+        if len(parts) == 1:
+            self.sock.sendall(parts[0])
+            return len(parts[0])
+        return send_all(self.sock, parts)
 
     @property
     def buffered(self) -> bool:
@@ -113,7 +152,7 @@ class FramedChannel:
         return self._end > self._start
 
     def _fill(self, need: int) -> None:
-        """Make at least ``need`` bytes available in the read buffer."""
+        """Make at least ``need`` bytes available in the read buffer (from ``_start``)."""
         if self._end - self._start >= need:
             return
         if need > len(self._buf) - self._start:
@@ -130,12 +169,6 @@ class FramedChannel:
             if k == 0:
                 raise ConnectionError("connection closed by peer")
             self._end += k
-
-    def _take(self, n: int) -> bytes:
-        self._fill(n)
-        out = bytes(self._view[self._start:self._start + n])
-        self._start += n
-        return out
 
     def _take_frame(self, n: int) -> np.ndarray:
         buf = np.empty(n, dtype=np.uint8)
@@ -157,25 +190,51 @@ class FramedChannel:
                     got += k
         return buf
 
-    def recv(self) -> tuple[bytes, list[np.ndarray], int]:
-        """Receive one message; verifies MAC and sequence before returning anything."""
-        fixed = self._take(_FIXED.size)
-        magic, seq, n = _FIXED.unpack(fixed)
+    def recv(self) -> tuple[bytes, list, int]:
+        """Receive one message: (header, buffer frames, bytes read).
+
+        Verifies the MAC and the sequence number before returning anything.
+        Each buffer frame is a writable byte buffer of its own (a memoryview
+        or a uint8 ndarray), safe to keep and to view as a tensor.
+        """
+        self._fill(_FIXED.size)
+        magic, seq, n = _FIXED.unpack_from(self._buf, self._start)
         if magic != MAGIC or not 1 <= n <= MAX_FRAMES:
             raise FramingError("bad message prefix")
-        lens_raw = self._take(8 * n)
-        lengths = struct.unpack(f"<{n}Q", lens_raw)
+        head = _FIXED.size + 8 * n
+        self._fill(head)
+        lengths = struct.unpack_from(f"<{n}Q", self._buf, self._start + _FIXED.size)
         if lengths[0] > self.max_header or any(x > self.max_frame for x in lengths[1:]):
             raise FramingError(f"message frame over the size limit ({max(lengths)} bytes)")
-        mac = self._take(MAC_SIZE)
-        header = self._take(lengths[0])
-        if not hmac.compare_digest(mac, _mac(self._key, fixed, lens_raw, header)):
+        signed = head + lengths[0]
+        if sum(lengths[1:]) <= INLINE_MAC:  # the whole message sits in the read buffer
+            total = signed + sum(lengths[1:])
+            self._fill(total + MAC_SIZE)
+            s, view = self._start, self._view
+            self._verify(view[s + total:s + total + MAC_SIZE], view[s:s + total], seq)
+            header = bytes(view[s + head:s + signed])
+            frames, at = [], s + signed
+            for k in lengths[1:]:  # small: copied out of the read buffer into their own memory
+                frames.append(memoryview(bytearray(view[at:at + k])))
+                at += k
+            self._start = s + total + MAC_SIZE
+            return header, frames, total + MAC_SIZE
+        self._fill(signed)
+        prefix_and_header = bytes(self._view[self._start:self._start + signed])
+        self._start += signed
+        frames = [self._take_frame(k) for k in lengths[1:]]
+        self._fill(MAC_SIZE)
+        mac = bytes(self._view[self._start:self._start + MAC_SIZE])
+        self._start += MAC_SIZE
+        self._verify(mac, prefix_and_header + frames_tag(self._recv_key, seq, frames), seq)
+        return prefix_and_header[head:], frames, signed + sum(lengths[1:]) + MAC_SIZE
+
+    def _verify(self, mac, signed, seq: int) -> None:
+        if not hmac.compare_digest(mac, hmac.digest(self._recv_key, signed, "sha256")):
             raise AuthFailed("message authentication failed")
         if seq != self._recv_seq:
             raise AuthFailed(f"message out of sequence (got {seq}, expected {self._recv_seq})")
         self._recv_seq += 1
-        frames = [self._take_frame(k) for k in lengths[1:]]
-        return header, frames, _FIXED.size + len(lens_raw) + MAC_SIZE + sum(lengths)
 
 
 def _derive(token: bytes, cn: bytes, sn: bytes) -> tuple[bytes, bytes, bytes]:

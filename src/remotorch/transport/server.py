@@ -81,7 +81,8 @@ class TcpServer:
             conn.close()
             return
         conn.settimeout(self._message_timeout)
-        self._ready.put((cid, FramedChannel(conn, key, max_frame=self._max_frame, max_header=self._max_header)))
+        self._ready.put((cid, FramedChannel(conn, key, role="server", max_frame=self._max_frame,
+                                                   max_header=self._max_header)))
         try:
             self._wake_w.send(b"\x00")
         except OSError:

@@ -60,7 +60,7 @@ class TcpTransport(Transport):
             sock.close()
             raise WorkerUnavailableError(f"worker at {self.url} dropped the handshake: {exc}") from exc
         sock.settimeout(self.timeout)
-        return FramedChannel(sock, key, max_frame=DEFAULT_MAX_FRAME, max_header=DEFAULT_MAX_FRAME)
+        return FramedChannel(sock, key, role="client", max_frame=DEFAULT_MAX_FRAME, max_header=DEFAULT_MAX_FRAME)
 
     def request(self, header: bytes, frames: Sequence[Buffer] = ()) -> tuple[bytes, list]:
         with self._lock:

@@ -39,7 +39,7 @@ def resolve_device(spec: str = "auto") -> torch.device:
 @dataclass
 class _Graph:
     decoded: DecodedGraph
-    checks: list  # per argument: None (anything), "scalar", or (dtype, rank, {dim: size})
+    checks: list  # per argument: None (anything), "scalar", or (dtype, rank, ((dim, size), ...))
     compiled: dict  # engine name -> callable
     lock: threading.Lock
 
@@ -50,7 +50,7 @@ class _Graph:
             if meta.get("kind") == "tensor":
                 shape = list(meta.get("shape") or [])
                 fixed = {i: d for i, d in enumerate(shape) if isinstance(d, int)}
-                checks.append((dtype_from_name(str(meta.get("dtype"))), len(shape), fixed))
+                checks.append((dtype_from_name(str(meta.get("dtype"))), len(shape), tuple(fixed.items())))
             else:
                 checks.append("scalar" if meta.get("kind") == "scalar" else None)
         return cls(decoded, checks, {}, threading.Lock())
@@ -140,15 +140,23 @@ class Worker:
     # ----------------------------------------------------------------------- run
     def run(self, session: object, gid: str, engine: str, args: list, frames) -> tuple[list, float, bool]:
         """Run a graph; ``args`` are tensors/scalars or ``("ref", id)``. Returns (outputs, ms, compiled)."""
-        missing_t = self._tensors.missing(session, [a[1] for a in args if isinstance(a, tuple)])
+        values, missing_t = [], []
+        tensors, on_cpu = self._tensors, self.device.type == "cpu"
+        for a in args:
+            if type(a) is tuple:
+                try:
+                    values.append(tensors.get(session, a[1]))
+                except KeyError:
+                    missing_t.append(a[1])
+            elif on_cpu or not isinstance(a, torch.Tensor):
+                values.append(a)
+            else:
+                values.append(a.to(self.device))
         missing_g = self._graphs.missing(session, [gid])
         if missing_t or missing_g:
             raise MissingObjectsError("worker does not hold these objects for this session",
                                       graphs=missing_g, tensors=missing_t)
         graph: _Graph = self._graphs.get(session, gid)
-        values = [self._tensors.get(session, a[1]) if isinstance(a, tuple) else a for a in args]
-        values = [v.to(self.device) if isinstance(v, torch.Tensor) and v.device != self.device else v
-                  for v in values]
         self._check_args(graph, values)
         fn, compiled = self._compiled(graph, engine, values)
         try:
@@ -203,6 +211,13 @@ class Worker:
             dtype, rank, fixed = check
             if not isinstance(v, torch.Tensor):
                 raise InvalidRequestError(f"argument {i} must be a tensor")
-            if v.dtype != dtype or v.dim() != rank or any(v.shape[d] != n for d, n in fixed.items()):
+            ok = v.dtype == dtype and v.dim() == rank
+            if ok:
+                shape = v.shape
+                for d, n in fixed:
+                    if shape[d] != n:
+                        ok = False
+                        break
+            if not ok:
                 raise InvalidRequestError(f"argument {i}: expected {dtype} of rank {rank} with sizes "
-                                          f"{fixed}, got {v.dtype}{list(v.shape)}")
+                                          f"{dict(fixed)}, got {v.dtype}{list(v.shape)}")

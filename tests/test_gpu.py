@@ -1,0 +1,101 @@
+"""A worker on a CUDA device, through the real server: models, device placement, OOM.
+
+Skipped on machines without CUDA (select them with ``-m gpu``). On a GPU
+machine they run against a real ``remotorch serve --device cuda``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import remotorch
+from remotorch import models
+from remotorch.errors import RemoteOutOfMemoryError
+
+from conftest import TOKEN, spawn_server
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def cuda_server():
+    srv = spawn_server(token=TOKEN, name="gpu", extra_args=("--device", "cuda"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def cuda_session(cuda_server):
+    s = remotorch.Session(cuda_server.url, token=TOKEN)
+    yield s
+    s.close()
+    assert cuda_server.alive(), cuda_server.stderr_text()[-4000:]
+
+
+def test_health_names_the_cuda_device(cuda_session):
+    info = cuda_session.health()
+    assert info["device"].startswith("cuda")
+
+
+@pytest.mark.parametrize("name, make, shape, tol", [
+    ("mlp", models.mlp, (32, 784), 1e-4),
+    ("cnn", models.SmallCNN, (8, 3, 32, 32), 2e-2),  # cuDNN may use TF32 for convolutions
+    ("block", models.TransformerBlock, (4, 16, 64), 1e-3),
+])
+def test_cpu_client_runs_models_on_a_cuda_worker(cuda_session, name, make, shape, tol):
+    """Inputs on the client's CPU, graphs on the worker's GPU, outputs back on the CPU."""
+    torch.manual_seed(0)
+    model = make().eval()
+    x = torch.randn(*shape)
+    compiled = remotorch.compile(model, session=cuda_session, fallback="raise")
+    with torch.no_grad():
+        expected = model(x)
+        got = compiled(x)
+    assert got.device.type == "cpu"
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+    assert cuda_session.stats()["remote_calls"] == 1
+
+
+def test_cuda_client_gets_cuda_outputs_equal_to_local_cuda(cuda_session):
+    """Same device and engine on both sides: outputs land on the client's device and match."""
+    torch.manual_seed(0)
+    model = models.mlp().cuda().eval()
+    x = torch.randn(32, 784, device="cuda")
+    compiled = remotorch.compile(model, session=cuda_session, fallback="raise")
+    with torch.no_grad():
+        expected = model(x)
+        got = compiled(x)
+        again = compiled(x)
+    assert got.device == x.device
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(again, got, atol=0, rtol=0)
+    stats = cuda_session.stats()
+    assert stats["graphs_uploaded"] == 1 and stats["tensors_uploaded"] == 4
+
+
+def test_dynamic_batch_on_cuda_uploads_one_graph(cuda_session):
+    torch.manual_seed(0)
+    model = models.mlp().eval()
+    compiled = remotorch.compile(model, session=cuda_session, fallback="raise", dynamic=True)
+    with torch.no_grad():
+        for batch in (2, 5, 17, 64):
+            x = torch.randn(batch, 784)
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-4, rtol=1e-4)
+    assert cuda_session.stats()["graphs_uploaded"] == 1
+
+
+def test_cuda_out_of_memory_is_an_error_reply_and_the_worker_goes_on(cuda_session):
+    def huge(x):
+        return x.expand(1 << 18, 1 << 18) + 1  # 2**36 float32 = 256 GiB: more than any one GPU
+
+    compiled = remotorch.compile(huge, session=cuda_session, fallback="raise")
+    with pytest.raises(RemoteOutOfMemoryError):
+        compiled(torch.ones(1, 1))
+    torch.manual_seed(0)
+    model = models.mlp().eval()
+    x = torch.randn(4, 784)
+    with torch.no_grad():
+        torch.testing.assert_close(remotorch.compile(model, session=cuda_session, fallback="raise")(x),
+                                   model(x), atol=1e-4, rtol=1e-4)
