@@ -13,7 +13,7 @@ A :class:`TrainingClient` belongs to one :class:`~remotorch.session.Session`
 Releases of freed handles and slots, and ``zero_grad()``, ride on the next
 training request (:class:`~remotorch.codec.messages.Pending`). It uses
 the session's own request path and upload cache (``_request``,
-``_ensure_graph``, ``_resident_ids``) and its lock.
+``_ensure_graph``, ``_remember``, ``_upload_tensors``) and its lock.
 """
 
 from __future__ import annotations
@@ -240,11 +240,19 @@ class TrainingClient:
         released on the worker, or it would hold one copy per step.
         """
         s = self.session
-        before = []
+        ids, before, uploads = [], [], []
         for t in tensors:
             entry = s._resident.get(id(t))
-            before.append(entry[2] if entry is not None and entry[0]() is t else None)
-        ids = s._resident_ids(tensors)
+            same = entry is not None and entry[0]() is t
+            before.append(entry[2] if same else None)
+            if not same or entry[1] != t._version:
+                entry = s._remember(t)
+            tid = entry[2]
+            if tid not in s._tensors_on_worker and all(tid != u[0] for u in uploads):
+                uploads.append((tid, t))
+            ids.append(tid)
+        if uploads:
+            s._upload_tensors(uploads)
         live = set(ids)
         for old in before:
             if old is not None and old not in live and old in s._tensors_on_worker:
