@@ -376,6 +376,29 @@ def test_without_a_remote_optimizer_gradients_come_back_for_a_local_one(session)
     assert_same_parameters(model, reference)
 
 
+@torch.library.custom_op("rmtrain::double", mutates_args=())
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_double.register_fake
+def _double_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def test_a_graph_that_runs_locally_sees_the_trained_parameters(session):
+    torch.manual_seed(23)
+    model = models.mlp()
+    reference, opt, _ = train_pair(model, classifier_loss, lambda: mlp_batch(8), session, 3, lr=1e-2)
+    evaluate = remotorch.compile(lambda x: _double(model(x)), session=session, fallback="local")
+    x = torch.randn(4, 784)
+    with torch.no_grad(), pytest.warns(remotorch.errors.RemoteFallbackWarning, match="double"):
+        out = evaluate(x)  # an op the worker does not allow: the graph runs here
+    with torch.no_grad():
+        torch.testing.assert_close(out, reference(x) * 2, **TOL)
+    assert session.stats()["fallbacks"] == 1
+
+
 # ----------------------------------------------------------- pull and local changes
 def test_worker_parameters_are_the_truth_until_a_local_change(session):
     torch.manual_seed(12)

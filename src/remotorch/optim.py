@@ -123,6 +123,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         with s._lock:
             used_locally = self._prepare()
             self._client.request(m.OptimStep(self._id, changed))
+            for p in self._params():
+                slot = self._client.slots.lookup(p)
+                if slot is not None:
+                    slot.stepped = True
             if used_locally:
                 self._client.pull_tensors(used_locally)
         self._sent = hyper

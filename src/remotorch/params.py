@@ -34,6 +34,7 @@ class Slot:
     version: int  # local _version when local and worker were last equal; -1 before the first bind
     # worker-side optimizers over this slot: while there is one, gradients stay on the worker
     optims: set[int] = field(default_factory=set)
+    stepped: bool = False  # an optimizer changed the worker's value since the local copy was equal
 
 
 class ParamSlots:

@@ -142,6 +142,7 @@ class TrainingClient:
         self.request(m.BindSlots([slot.sid for _, slot in todo], values), frames)
         for (_, slot), version in zip(todo, versions):
             slot.version = version
+            slot.stepped = False
         self.slots.bound = True
         s._stats["tensors_uploaded"] += len(frames)
 
@@ -290,6 +291,20 @@ class TrainingClient:
         tensors = [t for _, t in module.named_parameters()] + [t for _, t in module.named_buffers()]
         return self.pull_tensors(tensors, grads)
 
+    def refresh_local(self, tensors: Sequence) -> int:
+        """Bring back the values an optimizer changed on the worker, for a graph that runs here.
+
+        A graph that cannot run remotely runs locally with the local copies
+        of the parameters; those of its parameters stepped on the worker are
+        pulled first (only those: the others are current). Returns how many.
+        """
+        stepped = []
+        for t in tensors:
+            slot = self.slots.lookup(t) if isinstance(t, torch.Tensor) else None
+            if slot is not None and slot.stepped and not self.slots.stale(slot, t):
+                stepped.append(t)
+        return self.pull_tensors(stepped) if stepped else 0
+
     def pull_tensors(self, tensors: Sequence[torch.Tensor], grads: bool = False) -> int:
         """Copy slot values (and gradients) from the worker into these local tensors."""
         s = self.session
@@ -306,6 +321,7 @@ class TrainingClient:
                 with torch.no_grad():
                     t.copy_(tensor_from_wire(meta, frames[meta.frame]))
                 slot.version = t._version
+                slot.stepped = False
             for (t, slot), meta in zip(pairs, reply.grads if grads else []):
                 if slot.optims:  # other gradients live in p.grad already
                     t.grad = None if meta is None else tensor_from_wire(meta, frames[meta.frame]).clone().to(t.device)

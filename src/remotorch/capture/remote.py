@@ -62,6 +62,8 @@ class RemoteGraph:
             args = args[0]
         session = self._session_getter()
         if self._unsupported is not None:
+            if has_slots(session):  # runs here: with the worker's current parameters
+                training_client(session).refresh_local([args[i] for i in self.resident])
             return self._fall_back(session, args, self._unsupported)
         if self.kind != "inference" or has_slots(session):
             try:
