@@ -149,6 +149,25 @@ def test_parameter_groups_with_their_own_hyperparameters(session):
     assert_same_parameters(model, reference)
 
 
+def test_dynamic_shapes_training_saves_sizes_and_tensors(session):
+    torch.manual_seed(24)
+    model = models.TransformerBlock()
+    reference = copy.deepcopy(model)
+    step = compile_remote(regression_loss(model), session, dynamic=True)
+    opt = RemoteOptimizer(torch.optim.AdamW, model.parameters(), session=session, lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    for n in (2, 3, 5):  # one forward/backward pair serves every batch size
+        x, y = block_batch(n)
+        step(x, y).backward()
+        regression_loss(reference)(x, y).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    assert session.stats()["graphs_uploaded"] == 2
+    session.pull(model)
+    assert_same_parameters(model, reference, atol=1e-5, rtol=1e-4)
+
+
 # ------------------------------------------------------------------- wire bytes
 def test_steady_state_step_carries_only_inputs_labels_and_loss(session):
     torch.manual_seed(3)
