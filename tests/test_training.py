@@ -467,6 +467,39 @@ def test_no_grad_inference_creates_no_handles(session):
     assert len(training_client(session).slots) == 0  # nothing trains: weights stay content-addressed
 
 
+def test_optimizer_state_dict_round_trips_through_a_checkpoint(make_session):
+    first, second = make_session(), make_session()
+    torch.manual_seed(25)
+    model = models.mlp()
+    reference, opt, _ = train_pair(model, classifier_loss, lambda: mlp_batch(8), first, 3, lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)  # rebuilt below from the reference's state
+    sd = opt.state_dict()
+    assert set(sd["state"]) == set(range(4))
+    first.pull(model)
+    checkpoint = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(sd)}
+    first.close()
+
+    # resume in another session (another worker connection) from the checkpoint
+    resumed = models.mlp()
+    resumed.load_state_dict(checkpoint["model"])
+    torch._dynamo.reset()
+    step = compile_remote(classifier_loss(resumed), second)
+    opt2 = RemoteOptimizer(torch.optim.AdamW, resumed.parameters(), session=second, lr=0.5)
+    opt2.load_state_dict(checkpoint["opt"])
+    assert opt2.param_groups[0]["lr"] == 1e-2
+    ref_opt.load_state_dict(checkpoint["opt"])
+    for _ in range(2):
+        x, y = mlp_batch(8)
+        step(x, y).backward()
+        classifier_loss(reference)(x, y).backward()
+        for o in (opt2, ref_opt):
+            o.step()
+            o.zero_grad()
+    second.pull(resumed)
+    assert_same_parameters(resumed, reference)
+    torch.testing.assert_close(opt2.state_dict()["state"][0]["exp_avg"], ref_opt.state_dict()["state"][0]["exp_avg"])
+
+
 # ------------------------------------------------------------------ mixed precision
 def test_autocast_bfloat16_training_matches_local(session):
     torch.manual_seed(15)

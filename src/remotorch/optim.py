@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from .codec import messages as m
+from .codec.tensors import tensor_from_wire, tensor_to_wire
 from .errors import ForeignParameterError, ProtocolError
 from .params import owner_of
 from .train_client import training_client
@@ -150,6 +151,37 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 self._client.defer_zero_grad(self._id)
             else:
                 self._client.request(m.OptimZeroGrad(self._id, False))
+
+    def state_dict(self) -> dict:
+        """PyTorch's optimizer ``state_dict()``, with the per-parameter state fetched from the worker."""
+        sd = super().state_dict()
+        with self.session._lock:
+            reply, frames = self._client.request(m.OptimGetState(self._id))
+        if not isinstance(reply, m.OptimStateReply):
+            raise ProtocolError("worker answered optimizer state with the wrong reply")
+        state: dict[int, dict] = {}
+        for idx, key, value in reply.entries:
+            state.setdefault(idx, {})[key] = (tensor_from_wire(value.meta, frames[value.meta.frame]).clone()
+                                              if isinstance(value, m.TensorArg) else value.value)
+        sd["state"] = state
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load hyperparameters here and per-parameter state into the worker's optimizer."""
+        super().load_state_dict(state_dict)
+        index = {id(p): i for i, p in enumerate(self._params())}
+        entries, frames = [], []
+        for p, per_param in self.state.items():
+            for key, value in per_param.items():
+                if isinstance(value, torch.Tensor):
+                    meta, buf = tensor_to_wire(value, len(frames))
+                    entries.append((index[id(p)], key, m.TensorArg(meta)))
+                    frames.append(buf)
+                else:
+                    entries.append((index[id(p)], key, m.ScalarArg(_plain(key, value))))
+        self.state.clear()  # the state lives on the worker
+        with self.session._lock:
+            self._client.request(m.OptimSetState(self._id, entries), frames)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:

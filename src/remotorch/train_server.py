@@ -45,6 +45,12 @@ def serve_training(worker: Worker, session: object, req, frames: list) -> tuple[
         state.optim_step(session, req.optim, req.hyper)
     elif isinstance(req, m.OptimZeroGrad):
         state.optim_zero_grad(session, req.optim, req.set_to_none)
+    elif isinstance(req, m.OptimGetState):
+        return _optim_state(state, session, req)
+    elif isinstance(req, m.OptimSetState):
+        entries = [(idx, key, worker.wire_tensor(v.meta, frames) if isinstance(v, m.TensorArg) else v.value)
+                   for idx, key, v in req.entries]
+        state.optim_set_state(session, req.optim, entries)
     elif isinstance(req, m.ClipGradNorm):
         norm = state.clip_grad_norm(session, req.optim, req.max_norm, req.norm_type, req.error_if_nonfinite)
         return m.encode(m.NormReply(norm)), []
@@ -95,6 +101,20 @@ def _run(worker: Worker, session: object, req: m.RunResident, frames: list) -> t
         else:
             raise InvalidRequestError(f"graph returned a {type(o).__name__}, which cannot travel")
     return m.encode(m.ResidentReply(out_args, ms, compiled)), out_frames
+
+
+def _optim_state(state, session: object, req: m.OptimGetState) -> tuple[bytes, list]:
+    entries, out_frames = [], []
+    for idx, key, value in state.optim_state(session, req.optim):
+        if isinstance(value, torch.Tensor):
+            meta, buf = tensor_to_wire(value, len(out_frames))
+            entries.append((idx, key, m.TensorArg(meta)))
+            out_frames.append(buf)
+        elif value is None or isinstance(value, (bool, int, float)):
+            entries.append((idx, key, m.ScalarArg(value)))
+        else:
+            raise InvalidRequestError(f"optimizer state {key!r} is a {type(value).__name__}, which cannot travel")
+    return m.encode(m.OptimStateReply(entries)), out_frames
 
 
 def _pull(state, session: object, req: m.PullSlots) -> tuple[bytes, list]:

@@ -234,6 +234,31 @@ class ClipGradNorm(msgspec.Struct, frozen=True, tag="clip_grad_norm"):
     pending: Union[Pending, None] = None
 
 
+class OptimGetState(msgspec.Struct, frozen=True, tag="optim_get_state"):
+    """Ask for an optimizer's per-parameter state (for a checkpoint)."""
+
+    optim: int
+    pending: Union[Pending, None] = None
+
+
+class OptimSetState(msgspec.Struct, frozen=True, tag="optim_set_state"):
+    """Replace an optimizer's per-parameter state; ``entries`` as in :class:`OptimStateReply`."""
+
+    optim: int
+    entries: list[tuple[int, str, Union[TensorArg, ScalarArg]]]
+    pending: Union[Pending, None] = None
+
+
+class OptimStateReply(msgspec.Struct, frozen=True, tag="optim_state_reply"):
+    """Per-parameter optimizer state: ``[parameter index, key, value]`` entries, tensors in frames.
+
+    The parameter index counts the optimizer's parameters group by group, as
+    ``torch.optim.Optimizer.state_dict()`` does.
+    """
+
+    entries: list[tuple[int, str, Union[TensorArg, ScalarArg]]]
+
+
 class ResidentReply(msgspec.Struct, frozen=True, tag="resident_reply"):
     """Outputs of a RunResident: tensors in frames, scalars, or handles kept on the worker."""
 
@@ -254,11 +279,11 @@ class NormReply(msgspec.Struct, frozen=True, tag="norm_reply"):
 
 
 TrainingRequest = Union[Pending, RunResident, BindSlots, AccumulateGrads, PullSlots, OptimCreate,
-                        OptimStep, OptimZeroGrad, ClipGradNorm]
+                        OptimStep, OptimZeroGrad, ClipGradNorm, OptimGetState, OptimSetState]
 TRAINING_REQUESTS = (Pending, RunResident, BindSlots, AccumulateGrads, PullSlots, OptimCreate,
-                     OptimStep, OptimZeroGrad, ClipGradNorm)
+                     OptimStep, OptimZeroGrad, ClipGradNorm, OptimGetState, OptimSetState)
 Request = Union[Request, TrainingRequest]
-Reply = Union[Reply, ResidentReply, PullReply, NormReply]
+Reply = Union[Reply, ResidentReply, PullReply, NormReply, OptimStateReply]
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True):

@@ -227,6 +227,27 @@ class TrainingState:
     def optim_zero_grad(self, session: object, oid: int, set_to_none: bool) -> None:
         self._optim(session, oid).zero_grad(set_to_none=set_to_none)
 
+    def optim_state(self, session: object, oid: int) -> list[tuple[int, str, object]]:
+        """The optimizer's per-parameter state as ``(parameter index, key, value)`` entries."""
+        state = self._optim(session, oid).state_dict()["state"]
+        return [(idx, key, value) for idx, per_param in sorted(state.items())
+                for key, value in per_param.items()]
+
+    def optim_set_state(self, session: object, oid: int, entries: list) -> None:
+        """Replace the per-parameter state (PyTorch's load_state_dict casts it to the parameters)."""
+        opt = self._optim(session, oid)
+        current = opt.state_dict()
+        n = sum(len(g["params"]) for g in current["param_groups"])
+        state: dict[int, dict] = {}
+        for idx, key, value in entries:
+            if not 0 <= idx < n or not _KEY.match(key):
+                raise InvalidRequestError(f"optimizer state entry ({idx}, {key[:80]!r}) does not fit")
+            state.setdefault(idx, {})[key] = value
+        try:
+            opt.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+        except (TypeError, ValueError, KeyError, RuntimeError) as exc:
+            raise InvalidRequestError(f"{type(opt).__name__} refused the state: {exc}") from None
+
     def clip_grad_norm(self, session: object, oid: int, max_norm: float, norm_type: float,
                        error_if_nonfinite: bool) -> float:
         """``clip_grad_norm_`` over every parameter of the optimizer; the total norm before clipping."""
