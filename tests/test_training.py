@@ -589,6 +589,11 @@ def test_bad_training_requests_are_typed_errors(session):
         session._request(m.OptimCreate(9003, "SGD", [[9001]], [{"lr": -0.1}]))
     with pytest.raises(InvalidRequestError, match="refused its arguments"):
         session._request(m.OptimCreate(9005, "SGD", [[9001]], [{"lr": 0.1, "momentum": -1.0}]))
+    session._request(m.OptimCreate(9006, "SGD", [[9001]], [{"lr": 0.1, "momentum": 0.9}]))
+    with pytest.raises(InvalidRequestError, match="does not fit"):
+        session._request(m.OptimSetState(9006, [(5, "momentum_buffer", m.ScalarArg(1.0))]))
+    with pytest.raises(InvalidRequestError, match="does not fit"):
+        session._request(m.OptimSetState(9006, [(0, "__dict__", m.ScalarArg(1.0))]))
     with pytest.raises(MissingObjectsError):
         session._request(m.OptimStep(9099))
     with pytest.raises(MissingObjectsError):
