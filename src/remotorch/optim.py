@@ -24,6 +24,7 @@ from .params import owner_of
 from .train_client import training_client
 
 _PLAIN = (bool, int, float, str, type(None))
+_MISSING = object()
 
 
 def _plain(key: str, value):
@@ -63,14 +64,15 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.session = session if session is not None else self._session_of(params_all)
         self._client = training_client(self.session)
         self._sent = [self._hyper(g) for g in self.param_groups]
-        s = self.session
-        with s._lock:
+        with self.session._lock:
             self._client.bind_stale(params_all)
             self._id = self._client.new_optim_id()
-            slots = [[self._client.slots.lookup(p) for p in g["params"]] for g in self.param_groups]
-            self._client.request(m.OptimCreate(self._id, name, [[s.sid for s in g] for g in slots], self._sent))
-            for slot in (s for g in slots for s in g):
-                slot.optims.add(self._id)
+            groups = [[self._client.slots.lookup(p) for p in g["params"]] for g in self.param_groups]
+            self._client.request(m.OptimCreate(self._id, name, [[slot.sid for slot in g] for g in groups],
+                                               self._sent))
+            for group in groups:
+                for slot in group:
+                    slot.optims.add(self._id)
         weakref.finalize(self, self._client.drop_optim, self._id)
 
     @staticmethod
@@ -177,8 +179,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
                     meta, buf = tensor_to_wire(value, len(frames))
                     entries.append((index[id(p)], key, m.TensorArg(meta)))
                     frames.append(buf)
+                elif value is None or isinstance(value, (bool, int, float)):
+                    entries.append((index[id(p)], key, m.ScalarArg(value)))
                 else:
-                    entries.append((index[id(p)], key, m.ScalarArg(_plain(key, value))))
+                    raise TypeError(f"optimizer state {key!r} of type {type(value).__name__} cannot "
+                                    "travel to the worker")
         self.state.clear()  # the state lives on the worker
         with self.session._lock:
             self._client.request(m.OptimSetState(self._id, entries), frames)
@@ -201,5 +206,3 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"RemoteOptimizer({self.optimizer_class.__name__}, groups={len(self.param_groups)})"
 
-
-_MISSING = object()
