@@ -3,6 +3,9 @@
 ``torch.compile(model, backend="remotorch")`` runs each captured graph on a
 worker; :func:`compile` gives explicit control; :class:`Session` says which
 worker (an embedded loopback worker when none is configured).
+:func:`accelerate` and :func:`remote_profile` run the same graphs on several
+workers and engines and report where the time goes; :func:`explain` says how
+a function splits into graphs.
 """
 
 from __future__ import annotations
@@ -10,9 +13,11 @@ from __future__ import annotations
 from . import errors
 from . import optim  # RemoteOptimizer: torch.optim on the worker
 from .capture.backend import compile, remotorch_backend
+from .profile import accelerate, explain, remote_profile
 from .session import Session, default_session
 
-__all__ = ["Session", "compile", "default_session", "errors", "remotorch_backend"]
+__all__ = ["Session", "accelerate", "compile", "default_session", "errors", "explain", "remote_profile",
+           "remotorch_backend"]
 __version__ = "0.1.0"
 
 

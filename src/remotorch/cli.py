@@ -35,7 +35,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import torch
         torch.set_num_threads(args.threads)
     try:
-        worker = Worker(args.device, name=args.name)
+        engine_names = [e for e in args.engines.split(",") if e] if args.engines else None
+        worker = Worker(args.device, name=args.name, price_per_hour=args.price_per_hour,
+                        engine_names=engine_names)
     except ValueError as exc:
         print(f"remotorch serve: {exc}", file=sys.stderr)
         return 2
@@ -68,9 +70,43 @@ def cmd_health(args: argparse.Namespace) -> int:
             print(f"unhealthy: {args.url}: {type(exc).__name__}: {exc}")
             return 1
     print(f"healthy: {args.url}")
-    for key in ("name", "device", "torch_version", "engines", "protocol", "sessions"):
+    for key in ("name", "device", "torch_version", "engines", "protocol", "sessions", "price_per_hour"):
         value = info[key]
         print(f"  {key:14s} {', '.join(value) if isinstance(value, list) else value}")
+    return 0
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    from .errors import RemoteError
+    from .session import Session
+
+    urls = args.urls or None  # none: REMOTORCH_URL, else the embedded worker
+    with Session(urls, token=args.token, connect_timeout=args.timeout, retry_after=0.0) as session:
+        try:
+            workers = session.workers()
+        except RemoteError as exc:
+            print(f"remotorch backends: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        for w in workers:
+            print(f"{w['name']}  {w['url']}  device={w['device']}  ${w['price_per_hour']:g}/hour")
+            for engine in w["engines"]:
+                print(f"  {w['name']}/{engine}")
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .profile.explain import run_explained
+
+    try:
+        explanations = run_explained(args.target, args.args)
+    except Exception as exc:  # the user's program failed: say so, without our traceback around it
+        print(f"remotorch explain: {args.target} raised {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if not explanations:
+        print(f"remotorch explain: {args.target} called no @remotorch.accelerate function", file=sys.stderr)
+        return 1
+    for e in explanations:
+        e.print()
     return 0
 
 
@@ -94,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, default=0,
                        help="CPU threads for graph kernels (default: torch's choice)")
     serve.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without a token")
+    serve.add_argument("--price-per-hour", type=float, default=0.0,
+                       help="$ per hour of this worker, reported for cost estimates (default 0)")
+    serve.add_argument("--engines", default=None,
+                       help="comma-separated engines to offer, in order (default: all that load here)")
     serve.add_argument("--exit-on-stdin-close", action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(fn=cmd_serve)
 
@@ -102,6 +142,17 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--token", default=None)
     health.add_argument("--timeout", type=float, default=5.0)
     health.set_defaults(fn=cmd_health)
+
+    backends = sub.add_parser("backends", help="list the WORKER/ENGINE backends that workers offer")
+    backends.add_argument("urls", nargs="*", help="tcp://host:port … (default: $REMOTORCH_URL or the embedded worker)")
+    backends.add_argument("--token", default=None, help="token for every worker (default: $REMOTORCH_TOKEN)")
+    backends.add_argument("--timeout", type=float, default=5.0)
+    backends.set_defaults(fn=cmd_backends)
+
+    explain = sub.add_parser("explain", help="show graphs and graph breaks of @accelerate functions")
+    explain.add_argument("target", help="a script (path/to/script.py) or a callable (package.module:function)")
+    explain.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    explain.set_defaults(fn=cmd_explain)
 
     demo = sub.add_parser("demo", help="run example models on the embedded worker")
     demo.add_argument("--engine", default="eager")

@@ -15,7 +15,8 @@ Every failure that involves the worker surfaces as a subclass of
     │   └── ForeignParameterError      a parameter whose worker-side copy belongs to another session
     ├── LimitExceededError             a request is over a size limit of the worker
     │   └── QuotaExceededError         a session is over its memory quota
-    └── MissingObjectsError            the worker lacks graphs/tensors the request names (session re-uploads)
+    ├── MissingObjectsError            the worker lacks graphs/tensors the request names (session re-uploads)
+    └── UnknownBackendError            a profile names a WORKER/ENGINE pair the session's workers do not offer
 
 Errors raised on the worker travel back as an ``ErrorReply`` whose ``kind``
 names one of these classes; :func:`from_reply` rebuilds the exception.
@@ -124,6 +125,12 @@ class MissingObjectsError(RemoteError):
         super().__init__(message, remote_traceback=remote_traceback)
         self.graphs = list(graphs or [])
         self.tensors = list(tensors or [])
+
+
+class UnknownBackendError(RemoteError):
+    """A backend (``WORKER/ENGINE``) that no worker of the session offers (raised by the client)."""
+
+    kind = "backend"
 
 
 _BY_KIND: dict[str, type[RemoteError]] = {

@@ -8,6 +8,7 @@ server keeps serving.
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 
 import msgspec
@@ -75,6 +76,8 @@ class WorkerServer:
             return m.encode(m.HealthReply(protocol=m.PROTOCOL_VERSION, sessions=self._tcp.connections, **self.worker.info())), []
         if isinstance(req, m.Echo):
             return m.encode(m.EchoReply()), frames
+        if isinstance(req, m.ProfileGraph):
+            return self._profile(session, req, frames)
         if isinstance(req, m.TRAINING_REQUESTS):
             return serve_training(self.worker, session, req, frames)
         raise ProtocolError(f"{type(req).__name__} is not a request")
@@ -100,6 +103,26 @@ class WorkerServer:
             else:
                 raise InvalidRequestError(f"graph returned a {type(o).__name__}, which cannot travel")
         return m.encode(m.RunReply(out_args, ms, compiled)), out_frames
+
+    def _profile(self, session: int, req: m.ProfileGraph, frames: list) -> tuple[bytes, list]:
+        start = time.perf_counter()
+        args = [("ref", a.id) if isinstance(a, m.RefArg) else a.value if isinstance(a, m.ScalarArg)
+                else self.worker.wire_tensor(a.meta, frames) for a in req.args]
+        outs, runs, compiled, compile_ms = self.worker.profile(
+            session, req.graph_id, req.engine, args, frames, warmups=req.warmups, repeats=req.repeats)
+        out_args, out_frames = [], []
+        for o in outs:
+            if isinstance(o, torch.Tensor):
+                meta, buf = tensor_to_wire(o, len(out_frames))
+                out_args.append(m.TensorArg(meta))
+                out_frames.append(buf)
+            elif o is None or isinstance(o, (bool, int, float)):
+                out_args.append(m.ScalarArg(o))
+            else:
+                raise InvalidRequestError(f"graph returned a {type(o).__name__}, which cannot travel")
+        worker_ms = (time.perf_counter() - start) * 1e3
+        return m.encode(m.ProfileReply(out_args, runs.times_ms, runs.clock, compiled, compile_ms,
+                                       worker_ms)), out_frames
 
     @staticmethod
     def _error(exc: RemoteError) -> bytes:

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +23,7 @@ from .codec import messages as m
 from .codec.tensors import content_id, tensor_from_wire, tensor_to_wire
 from .config import from_env
 from .transport import TcpTransport, Transport
+from .workers import WorkerLink, name_links, split_urls
 
 if TYPE_CHECKING:
     from .capture.remote import RemoteGraph
@@ -31,19 +32,29 @@ log = logging.getLogger(__name__)
 
 
 class Session:
-    """A connection to one worker, with what has been uploaded to it.
+    """A connection to one worker (or several), with what has been uploaded to it.
 
     ``url`` is ``tcp://host:port``; without it ``REMOTORCH_URL`` is used, and
     without that an embedded worker process is started on 127.0.0.1 the
     first time the session needs a worker. Creating a session never contacts
     the worker, so a session for a worker that is down fails only when a call
     needs it (and then falls back or raises, as the call's policy says).
+
+    ``url`` may also be a list of URLs: ordinary calls run on the first
+    worker, and profiling (:func:`remotorch.remote_profile`) uses all of
+    them. ``tokens`` maps URLs to tokens where they differ from ``token``;
+    ``prices`` maps worker names to $ per hour, overriding what workers report.
     """
 
-    def __init__(self, url: str | None = None, *, token: str | None = None, device: str = "auto",
+    def __init__(self, url: str | Sequence[str] | None = None, *, token: str | None = None, device: str = "auto",
                  timeout: float | None = 300.0, connect_timeout: float = 5.0,
-                 transport: Transport | None = None, retry_after: float = 1.0) -> None:
+                 transport: Transport | None = None, retry_after: float = 1.0,
+                 tokens: Mapping[str, str] | None = None, prices: Mapping[str, float] | None = None) -> None:
         env = from_env()
+        url, self._more_urls = split_urls(url)  # several workers: ordinary calls use the first
+        self._tokens = dict(tokens or {})  # per-URL tokens, where workers differ
+        self.prices = dict(prices or {})  # $ per hour by worker name, overriding what workers report
+        self._links: list[WorkerLink] | None = None
         self.url = url or env.url
         self.device = device
         self._token = token if token is not None else env.token
@@ -72,6 +83,8 @@ class Session:
         """Close the connection and stop the embedded worker if this session started one."""
         with self._lock:
             self._closed = True
+            for link in self._links or []:
+                link.close()
             if self._transport is not None:
                 self._transport.close()
             if self._embedded is not None:
@@ -136,6 +149,58 @@ class Session:
         """
         from .train_client import training_client
         training_client(self).flush()
+
+    # ------------------------------------------------------------ several workers
+    @property
+    def urls(self) -> list[str | None]:
+        """Every worker of the session, first one first (None: the embedded worker)."""
+        return [self.url, *self._more_urls]
+
+    def worker_links(self) -> list[WorkerLink]:
+        """One connection per worker, named after the workers (used by profiling).
+
+        Created on first use; asks each worker's health, so every worker must
+        answer. The first link goes to the same worker as ordinary calls (the
+        embedded one, started now, when the session has no URL).
+        """
+        with self._lock:
+            if self._links is None:
+                links = []
+                for url in self.urls:
+                    token = self._tokens.get(url, self._token) if url else None
+                    if url is None:
+                        self._get_transport()
+                        if self._embedded is None:
+                            raise errors.WorkerUnavailableError("this session has no worker address")
+                        url, token = self._embedded.url, self._embedded.token
+                    links.append(WorkerLink(url, token, connect_timeout=self._connect_timeout,
+                                            timeout=self._timeout))
+                try:
+                    name_links(links)
+                except BaseException:
+                    for link in links:
+                        link.close()
+                    raise
+                self._links = links
+            return list(self._links)
+
+    def workers(self) -> list[dict]:
+        """Each worker's health reply (asked now) plus ``url`` and ``price_per_hour`` after overrides."""
+        return [dict(link.info(refresh=True), name=link.name, url=link.url,
+                     price_per_hour=self.price_per_hour(link.name)) for link in self.worker_links()]
+
+    def backends(self) -> list[str]:
+        """Every ``WORKER/ENGINE`` pair the session's workers offer, in worker order."""
+        return [f"{link.name}/{engine}" for link in self.worker_links() for engine in link.info()["engines"]]
+
+    def price_per_hour(self, worker: str) -> float:
+        """$ per hour of a worker: the session's ``prices`` entry, else what the worker reports."""
+        if worker in self.prices:
+            return float(self.prices[worker])
+        for link in self.worker_links():
+            if link.name == worker:
+                return float(link.info().get("price_per_hour", 0.0))
+        raise KeyError(f"no worker named {worker!r} in this session")
 
     def note_fallback(self) -> None:
         with self._lock:

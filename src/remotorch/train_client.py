@@ -51,6 +51,16 @@ def training_client(session: Session) -> TrainingClient:
     return client
 
 
+def keeps_state(session: object) -> bool:
+    """True for a :class:`~remotorch.session.Session`, whose worker can keep training state.
+
+    Other objects stand where a session would (a profiler runs graphs on
+    several workers); their graphs run as plain calls.
+    """
+    from .session import Session
+    return isinstance(session, Session)
+
+
 def has_slots(session: Session) -> bool:
     """True when some parameter of this session lives in a worker slot."""
     client = getattr(session, "_training_client", None)

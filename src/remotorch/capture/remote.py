@@ -23,7 +23,7 @@ import torch
 from ..codec.graph import GraphPayload
 from ..errors import RemoteError, RemoteFallbackWarning
 from ..handles import handle_of
-from ..train_client import has_slots, training_client
+from ..train_client import has_slots, keeps_state, training_client
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class RemoteGraph:
             if has_slots(session):  # runs here: with the worker's current parameters
                 training_client(session).refresh_local([args[i] for i in self.resident])
             return self._fall_back(session, args, self._unsupported)
-        if self.kind != "inference" or has_slots(session):
+        if (self.kind != "inference" or has_slots(session)) and keeps_state(session):
             try:
                 return training_client(session).run(self, args)
             except RemoteError as exc:

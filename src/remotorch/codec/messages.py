@@ -89,6 +89,7 @@ class HealthReply(msgspec.Struct, frozen=True, tag="health_reply"):
     protocol: int
     sessions: int = 0
     resident_bytes: int = 0
+    price_per_hour: float = 0.0  # $ per hour (``remotorch serve --price-per-hour``), for cost reports
 
 
 class Ok(msgspec.Struct, frozen=True, tag="ok"):
@@ -284,6 +285,32 @@ TRAINING_REQUESTS = (Pending, RunResident, BindSlots, AccumulateGrads, PullSlots
                      OptimStep, OptimZeroGrad, ClipGradNorm, OptimGetState, OptimSetState)
 Request = Union[Request, TrainingRequest]
 Reply = Union[Reply, ResidentReply, PullReply, NormReply, OptimStateReply]
+
+
+# -------------------------------------------------------------------- profiling
+class ProfileGraph(msgspec.Struct, frozen=True, tag="profile"):
+    """Run an uploaded graph ``warmups`` times untimed, then ``repeats`` times timed."""
+
+    graph_id: str
+    engine: str
+    args: list[Arg]
+    warmups: int = 1
+    repeats: int = 10
+
+
+class ProfileReply(msgspec.Struct, frozen=True, tag="profile_reply"):
+    """Outputs of the last run, the worker's time for each timed run, and how it timed them."""
+
+    outputs: list[Arg]
+    times_ms: list[float]
+    clock: str  # "monotonic" (CPU) or "cuda_events" (CUDA)
+    compiled: bool = False  # this request compiled the graph for its engine
+    compile_ms: float = 0.0
+    worker_ms: float = 0.0  # the worker's wall time for the whole request (network excluded)
+
+
+Request = Union[Request, ProfileGraph]
+Reply = Union[Reply, ProfileReply]
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True):

@@ -21,6 +21,7 @@ from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsErr
                       RemoteOutOfMemoryError, UnsupportedGraphError, WorkerError)
 from . import engines
 from .store import SharedStore
+from .timing import MAX_REPEATS, MAX_WARMUPS, TimedRuns, time_runs
 from .training import TrainingState
 
 log = logging.getLogger(__name__)
@@ -68,11 +69,19 @@ class Worker:
     """Graph cache + tensor store + engines for one device."""
 
     def __init__(self, device: str | torch.device = "auto", *, name: str = "worker",
-                 limits: Limits = Limits()) -> None:
+                 limits: Limits = Limits(), price_per_hour: float = 0.0,
+                 engine_names: list[str] | None = None) -> None:
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.name = name
+        self.price_per_hour = price_per_hour  # $ per hour of this worker, for cost reports
         self.limits = limits
         self.engines = engines.available(self.device)
+        if engine_names is not None:  # offer only these (in this order); each must load here
+            unknown = [e for e in engine_names if e not in self.engines and e not in engines.HIDDEN]
+            if unknown:
+                raise ValueError(f"engines not available on {self.device}: {', '.join(unknown)} "
+                                 f"(available: {', '.join(self.engines)})")
+            self.engines = list(engine_names)
         self._graphs = SharedStore()
         self._tensors = SharedStore()
         self.training = TrainingState(self.device)
@@ -87,7 +96,8 @@ class Worker:
     def info(self) -> dict:
         return {"name": self.name, "device": str(self.device), "torch_version": str(torch.__version__),
                 "engines": list(self.engines),
-                "resident_bytes": self._tensors.total_bytes + self.training.total_bytes()}
+                "resident_bytes": self._tensors.total_bytes + self.training.total_bytes(),
+                "price_per_hour": self.price_per_hour}
 
     # ------------------------------------------------------------------- uploads
     def put_graph(self, session: object, gid: str, doc: bytes, consts: list[TensorMeta], frames) -> None:
@@ -221,3 +231,38 @@ class Worker:
             if not ok:
                 raise InvalidRequestError(f"argument {i}: expected {dtype} of rank {rank} with sizes "
                                           f"{dict(fixed)}, got {v.dtype}{list(v.shape)}")
+
+    # ------------------------------------------------------------------- profile
+    def profile(self, session: object, gid: str, engine: str, args: list, frames, *,
+                warmups: int, repeats: int) -> tuple[list, TimedRuns, bool, float]:
+        """Run a graph ``warmups`` times untimed, then ``repeats`` times timed, on one engine.
+
+        Returns (outputs of the last run, the timed runs, whether this call
+        compiled the graph for the engine, compile milliseconds). Compiling is
+        never part of the timed runs.
+        """
+        if not (0 <= warmups <= MAX_WARMUPS and 1 <= repeats <= MAX_REPEATS):
+            raise InvalidRequestError(f"warmups must be 0…{MAX_WARMUPS} and repeats 1…{MAX_REPEATS}")
+        missing_t = self._tensors.missing(session, [a[1] for a in args if isinstance(a, tuple)])
+        missing_g = self._graphs.missing(session, [gid])
+        if missing_t or missing_g:
+            raise MissingObjectsError("worker does not hold these objects for this session",
+                                      graphs=missing_g, tensors=missing_t)
+        graph: _Graph = self._graphs.get(session, gid)
+        values = [self._tensors.get(session, a[1]) if isinstance(a, tuple) else a for a in args]
+        values = [v.to(self.device) if isinstance(v, torch.Tensor) and v.device != self.device else v
+                  for v in values]
+        self._check_args(graph, values)
+        start = time.perf_counter()
+        fn, compiled = self._compiled(graph, engine, values)
+        compile_ms = (time.perf_counter() - start) * 1e3 if compiled else 0.0
+        try:
+            runs = time_runs(fn, values, self.device, warmups, repeats)
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            raise RemoteOutOfMemoryError(f"out of memory running graph: {exc}",
+                                         remote_traceback=traceback.format_exc()) from None
+        except Exception as exc:
+            raise WorkerError(f"graph failed on {engine}: {type(exc).__name__}: {exc}",
+                              remote_traceback=traceback.format_exc()) from None
+        out = runs.outputs
+        return (list(out) if isinstance(out, (list, tuple)) else [out]), runs, compiled, compile_ms

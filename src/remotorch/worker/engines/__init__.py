@@ -15,7 +15,12 @@ import torch
 ENGINE_MODULES = {
     "eager": "remotorch.worker.engines.eager",
     "inductor": "remotorch.worker.engines.inductor",
+    "onnxrt": "remotorch.worker.engines.onnxrt",
+    "tensorrt": "remotorch.worker.engines.tensorrt",
+    "failing": "remotorch.worker.engines.failing",
 }
+# Engines a worker offers only when asked by name (``remotorch serve --engines``).
+HIDDEN = frozenset({"failing"})
 
 
 def load(name: str) -> ModuleType:
@@ -27,6 +32,8 @@ def available(device: torch.device) -> list[str]:
     """Names of the engines that can run on this device here."""
     names = []
     for name in ENGINE_MODULES:
+        if name in HIDDEN:
+            continue
         try:
             if load(name).available(device):
                 names.append(name)
