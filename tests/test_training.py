@@ -642,3 +642,15 @@ def test_batch_norm_training_updates_buffers_without_growing_worker_memory(start
     session.flush_releases()
     # superseded buffer values were released: only the second optimizer's (empty) state is new
     assert session.health()["resident_bytes"] == early
+
+
+def test_profiling_a_training_forward_runs_plain_calls(session):
+    """A profile stands where a session would: its graphs do not keep state on a worker."""
+    torch.manual_seed(26)
+    model = models.mlp()  # parameters require grad and no no_grad: aot_autograd makes a training forward
+    fast = remotorch.accelerate(model, local_backend="eager")
+    x = torch.randn(4, 784)
+    with remotorch.remote_profile(session, backends=["test/eager"], num_repeats=2):
+        out = fast(x)
+    torch.testing.assert_close(out, model(x))
+    assert training_client(session).handles.live == 0
