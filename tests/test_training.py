@@ -654,3 +654,16 @@ def test_profiling_a_training_forward_runs_plain_calls(session):
         out = fast(x)
     torch.testing.assert_close(out, model(x))
     assert training_client(session).handles.live == 0
+
+
+def test_trained_parameters_lost_with_the_connection_are_a_typed_error_not_a_stale_upload(session):
+    torch.manual_seed(27)
+    model = models.mlp()
+    reference, opt, _ = train_pair(model, classifier_loss, lambda: mlp_batch(8), session, 2, lr=1e-2)
+    step = compile_remote(classifier_loss(model), session)
+    session._transport.close()  # the worker frees the trained parameters with the session
+    with pytest.raises(MissingObjectsError, match="slot"):
+        step(*mlp_batch(8))
+    with pytest.raises(MissingObjectsError, match="optimizer"):
+        opt.step()
+    assert session.health()["name"] == "test"
