@@ -328,6 +328,26 @@ def test_gradients_accumulate_with_pytorch_semantics_and_input_grads_come_back(s
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
+def test_autograd_grad_returns_gradients_even_with_an_optimizer_on_the_worker(session):
+    torch.manual_seed(28)
+    model = models.mlp()
+    reference = copy.deepcopy(model)
+    compiled = compile_remote(model, session)
+    opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), session=session, lr=0.1)  # noqa: F841
+    x = torch.randn(4, 784)
+    grads = torch.autograd.grad(compiled(x).pow(2).sum(), list(model.parameters()))
+    ref_grads = torch.autograd.grad(reference(x).pow(2).sum(), list(reference.parameters()))
+    for g, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(g, rg)
+    # backward(inputs=...) accumulates only those: on the worker, as backward() would
+    compiled(x).pow(2).sum().backward(inputs=[model[0].weight])
+    reference(x).pow(2).sum().backward(inputs=[reference[0].weight])
+    assert model[0].weight.grad is None  # it stayed on the worker
+    session.pull(model, grads=True)
+    torch.testing.assert_close(model[0].weight.grad, reference[0].weight.grad)
+    assert all(p.grad is None for p in list(model.parameters())[1:])
+
+
 def test_retain_graph_allows_a_second_backward(session):
     torch.manual_seed(10)
     model = models.mlp()

@@ -35,6 +35,7 @@ class ForwardCall:
 
     n_inputs: int
     slots: dict[int, int] = field(default_factory=dict)
+    params: dict[int, torch.Tensor] = field(default_factory=dict)  # the local tensors of ``slots``
 
 
 def handle_of(t: object) -> int | None:

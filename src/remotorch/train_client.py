@@ -226,6 +226,7 @@ class TrainingClient:
                 slot = self.slots.lookup(a)
                 if slot.optims:  # its optimizer is on the worker: so are its gradients
                     call.slots[i] = slot.sid
+                    call.params[i] = a
                 run_args.append(m.SlotArg(slot.sid))
             elif isinstance(a, torch.Tensor):
                 meta, buf = tensor_to_wire(a, len(frames))
@@ -239,7 +240,8 @@ class TrainingClient:
             base = self.handles.reserve(sum(d is not None for d in graph.output_devices[keep_from:]))
         grads = []
         if backward_of is not None and backward_of.n_inputs == len(graph.output_devices):
-            grads = [[i, sid] for i, sid in backward_of.slots.items()]
+            grads = [[i, sid] for i, sid in backward_of.slots.items()
+                     if accumulated_by_this_backward(backward_of.params[i])]
         req = m.RunResident(graph.graph_id, graph.engine, run_args, keep_from, base, grads)
         return req, frames, call
 
@@ -336,6 +338,24 @@ class TrainingClient:
                 if slot.optims:  # other gradients live in p.grad already
                     t.grad = None if meta is None else tensor_from_wire(meta, frames[meta.frame]).clone().to(t.device)
         return len(pairs)
+
+
+def accumulated_by_this_backward(t: torch.Tensor) -> bool:
+    """True when the running backward pass accumulates into ``t.grad``.
+
+    So it does in ``loss.backward()`` (and for ``t`` among ``backward(inputs=…)``);
+    then the gradient may stay on the worker. Under ``torch.autograd.grad`` the
+    engine captures the gradient instead (and refuses to answer for a leaf),
+    so it must come back to the caller.
+    """
+    try:
+        with torch.enable_grad():
+            node = t.view_as(t).grad_fn.next_functions[0][0]  # t's AccumulateGrad node
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return False  # "a leaf node was passed ... while running autograd.grad()"
+    except (AttributeError, IndexError):
+        return True
 
 
 def _scalar(a):
