@@ -64,8 +64,12 @@ def test_total_bytes_counts_params_grads_state_and_handles_once(state):
     state.apply_pending(S, zero_grad=[7], handles=[100, 101])
     assert state.slot(S, 1).grad is None
     assert state.total_bytes() == 40 + 84
+    state.bind("session-b", 1, torch.zeros(2), private=True)
+    assert state.session_bytes("session-b") == 8
+    assert state.session_bytes(S) == 40 + 84
     state.drop_session(S)
-    assert state.total_bytes() == 0
+    assert state.total_bytes() == 8
+    assert state.session_bytes(S) == 0
 
 
 def test_handles_are_per_session_and_ids_are_not_reused(state):

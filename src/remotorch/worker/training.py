@@ -84,6 +84,17 @@ class TrainingState:
 
     def total_bytes(self) -> int:
         """Bytes held for all sessions: handles, parameters, gradients and optimizer state."""
+        with self._lock:
+            states = list(self._sessions.values())
+        return self._bytes(states)
+
+    def session_bytes(self, session: object) -> int:
+        """Bytes held for one session (what a per-session memory quota would count)."""
+        st = self._sessions.get(session)
+        return self._bytes([st]) if st is not None else 0
+
+    @staticmethod
+    def _bytes(states: list[_SessionState]) -> int:
         seen: set[int] = set()
         total = 0
 
@@ -93,8 +104,6 @@ class TrainingState:
                 seen.add(id(t))
                 total += _nbytes(t)
 
-        with self._lock:
-            states = list(self._sessions.values())
         for st in states:
             for t in list(st.handles.values()):
                 add(t)
