@@ -11,6 +11,7 @@ a function splits into graphs.
 from __future__ import annotations
 
 from . import errors
+from . import optim  # RemoteOptimizer: torch.optim on the worker
 from .capture.backend import compile, remotorch_backend
 from .profile import accelerate, explain, remote_profile
 from .session import Session, default_session

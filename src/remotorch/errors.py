@@ -12,6 +12,7 @@ Every failure that involves the worker surfaces as a subclass of
     │   └── RemoteOutOfMemoryError     the worker ran out of device or host memory for this call
     ├── UnsupportedGraphError          the graph uses something the wire format or worker refuses
     ├── InvalidRequestError            a well-formed request that does not fit (wrong arguments for a graph)
+    │   └── ForeignParameterError      a parameter whose worker-side copy belongs to another session
     ├── LimitExceededError             a request is over a size limit of the worker
     │   ├── QuotaExceededError         a session is over its memory quota (or the worker over its memory limit)
     │   └── RequestTimeoutError        a request ran longer than the worker's request timeout
@@ -89,6 +90,16 @@ class InvalidRequestError(RemoteError):
     kind = "invalid"
 
 
+class ForeignParameterError(InvalidRequestError):
+    """A parameter trained in one session was given to another (an optimizer, a graph).
+
+    After training, a parameter's value of record lives in its session's
+    worker; another session would start from the stale local copy.
+    """
+
+    kind = "foreign"
+
+
 class LimitExceededError(RemoteError):
     """A request exceeds one of the worker's size limits."""
 
@@ -134,7 +145,7 @@ _BY_KIND: dict[str, type[RemoteError]] = {
     for cls in (RemoteError, TransportError, WorkerUnavailableError, ProtocolError,
                 AuthenticationError, WorkerError, RemoteOutOfMemoryError,
                 UnsupportedGraphError, InvalidRequestError, LimitExceededError, QuotaExceededError,
-                RequestTimeoutError)
+                RequestTimeoutError, ForeignParameterError)
 }
 
 

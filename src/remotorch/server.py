@@ -21,6 +21,7 @@ from .codec.tensors import tensor_to_wire
 from .errors import (InvalidRequestError, LimitExceededError, ProtocolError, RemoteError,
                      RemoteOutOfMemoryError)
 from .leases import SESSION_ID, LeaseTable
+from .train_server import serve_training
 from .transport.server import TcpServer
 from .worker import Worker
 
@@ -149,6 +150,8 @@ class WorkerServer:
             return m.encode(m.EchoReply()), frames
         if isinstance(req, m.ProfileGraph):
             return self._profile(session, req, frames)
+        if isinstance(req, m.TRAINING_REQUESTS):
+            return serve_training(self.worker, session, req, frames)
         raise ProtocolError(f"{type(req).__name__} is not a request")
 
     def _run(self, session: int, req: m.RunGraph, frames: list) -> tuple[bytes, list]:

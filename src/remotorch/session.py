@@ -186,6 +186,30 @@ class Session:
         _, out = self._request(m.Echo(), frames)
         return out
 
+    # ------------------------------------------------------------------ training
+    def pull(self, module: torch.nn.Module, grads: bool = False) -> int:
+        """Copy the worker's current parameters (and, asked, gradients) into ``module``.
+
+        After training with a :class:`~remotorch.optim.RemoteOptimizer` the
+        worker holds the parameters of record; this brings them back, e.g.
+        before ``module.state_dict()``. Tensors the worker does not train
+        (buffers, frozen parameters) are the local ones already and stay as
+        they are, and so do the gradients of parameters no worker-side
+        optimizer manages (they are in ``p.grad``). Returns how many tensors
+        were copied.
+        """
+        from .train_client import training_client
+        return training_client(self).pull(module, grads)
+
+    def flush_releases(self) -> None:
+        """Tell the worker now about freed activations, parameters and optimizers.
+
+        Normally that news rides on the next training request, at no cost of
+        its own; call this before measuring the worker's memory.
+        """
+        from .train_client import training_client
+        training_client(self).flush()
+
     # ------------------------------------------------------------ several workers
     @property
     def urls(self) -> list[str | None]:

@@ -35,9 +35,9 @@ def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
     make = functools.partial(_compile_aten, session=session, engine=engine, fallback=fallback)
-    return aot_autograd(fw_compiler=functools.partial(make, static=True),
+    return aot_autograd(fw_compiler=functools.partial(make, static=True, kind="forward"),
                         inference_compiler=functools.partial(make, static=True),
-                        bw_compiler=functools.partial(make, static=False))(gm, example_inputs)
+                        bw_compiler=functools.partial(make, static=False, kind="backward"))(gm, example_inputs)
 
 
 def _static_indices(example_inputs) -> list[int]:
@@ -48,8 +48,23 @@ def _static_indices(example_inputs) -> list[int]:
     return [i for i in indices if i < len(example_inputs) and isinstance(example_inputs[i], torch.Tensor)]
 
 
+def _saved_from() -> int | None:
+    """Index of a training forward's first saved-for-backward output.
+
+    aot_autograd's forward returns mutated inputs, user outputs and
+    intermediate bases (``num_forward_returns``), then, with functionalized
+    RNG, an offset (``num_forward``), and after those the tensors and symbolic
+    sizes saved for backward.
+    """
+    from torch._guards import TracingContext
+    ctx = TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx else None
+    n = getattr(meta, "num_forward", None)
+    return n if isinstance(n, int) else getattr(meta, "num_forward_returns", None)
+
+
 def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: str,
-                  fallback: str, static: bool) -> RemoteGraph:
+                  fallback: str, static: bool, kind: str = "inference") -> RemoteGraph:
     """aot_autograd compiler hook: wrap one aten graph for remote execution."""
     from ..codec.graph import encode_graph
     from ..session import default_session
@@ -67,7 +82,8 @@ def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: 
         unsupported = exc
     return RemoteGraph(payload, session_getter=get_session, engine=engine, fallback=fallback,
                        resident=_static_indices(example_inputs) if static else [],
-                       output_devices=output_devices(gm), local=gm.forward, unsupported=unsupported)
+                       output_devices=output_devices(gm), local=gm.forward, unsupported=unsupported,
+                       kind=kind, saved_from=_saved_from() if kind == "forward" else None)
 
 
 def compile(fn, *, session=None, engine: str = "eager", fallback: str = "local", dynamic: bool | None = None):

@@ -5,6 +5,11 @@ asks its session to run the graph; on a remote failure it follows its
 fallback policy: ``"local"`` runs the same aten graph here (one warning per
 graph, counted in ``stats()["fallbacks"]``), ``"raise"`` lets the typed
 ``RemoteError`` through.
+
+Training graphs (a forward whose saved tensors stay on the worker, its
+backward) and every graph of a session that holds parameters in worker slots
+run through :mod:`remotorch.train_client`. Those never fall back: the local
+side has placeholders, not activations, and stale parameters.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import torch
 
 from ..codec.graph import GraphPayload
 from ..errors import RemoteError, RemoteFallbackWarning
+from ..handles import handle_of
+from ..train_client import has_slots, keeps_state, training_client
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +35,8 @@ class RemoteGraph:
 
     def __init__(self, payload: GraphPayload | None, *, session_getter: Callable, engine: str,
                  fallback: str, resident: list[int], output_devices: list, local: Callable,
-                 unsupported: RemoteError | None = None) -> None:
+                 unsupported: RemoteError | None = None, kind: str = "inference",
+                 saved_from: int | None = None) -> None:
         # Instance attribute, not class: dynamo wraps backward graphs with
         # functools.wraps, which copies __dict__ and so keeps the boxed convention.
         self._boxed_call = True
@@ -43,6 +51,9 @@ class RemoteGraph:
         self._local = local
         self._unsupported = unsupported
         self._warned = False
+        self.kind = kind  # "inference", "forward" (of a training pair) or "backward"
+        # forward: outputs from this index on are saved for backward (they stay on the worker)
+        self.saved_from = saved_from
 
     def __call__(self, *args) -> list:
         # Boxed (one list) or unboxed (aot wraps backward graphs): graph
@@ -51,7 +62,16 @@ class RemoteGraph:
             args = args[0]
         session = self._session_getter()
         if self._unsupported is not None:
+            if has_slots(session):  # runs here: with the worker's current parameters
+                training_client(session).refresh_local([args[i] for i in self.resident])
             return self._fall_back(session, args, self._unsupported)
+        if (self.kind != "inference" or has_slots(session)) and keeps_state(session):
+            try:
+                return training_client(session).run(self, args)
+            except RemoteError as exc:
+                if has_slots(session) or any(handle_of(a) is not None for a in args):
+                    raise
+                return self._fall_back(session, args, exc)
         try:
             return session.run_graph(self, args)
         except RemoteError as exc:

@@ -152,6 +152,172 @@ Reply = Union[HealthReply, Ok, RunReply, EchoReply, ErrorReply]
 Reply = Union[Reply, AttachReply]
 
 
+# ---------------------------------------------------- training: resident state
+# Saved activations, trainable parameters and optimizers stay on the worker,
+# in the session; the client names them by small integers it chooses itself
+# (never reused within a client session, so a stale id can never name new state).
+# Every training request may carry ``pending`` housekeeping, applied first.
+class HandleArg(msgspec.Struct, frozen=True, tag="h", array_like=True):
+    """A tensor the worker keeps for this session (a saved activation), by handle id."""
+
+    id: int
+
+
+class SlotArg(msgspec.Struct, frozen=True, tag="p", array_like=True):
+    """A trainable parameter the worker keeps for this session, by slot id."""
+
+    id: int
+
+
+ResidentArg = Union[TensorArg, RefArg, ScalarArg, HandleArg, SlotArg]
+Hyper = Union[int, float, bool, None, str, list[Union[int, float, bool]]]
+
+
+class Pending(msgspec.Struct, frozen=True, tag="pending"):
+    """Housekeeping the client deferred: applied before the request that carries it.
+
+    ``zero_grad``: optimizers whose gradients are cleared (set to None) first;
+    then the handles, parameter slots, optimizers and uploaded tensors
+    (content ids, e.g. a buffer's superseded value) the client no longer
+    references are dropped. Ids the session does not hold are ignored.
+    """
+
+    handles: list[int] = []
+    slots: list[int] = []
+    optims: list[int] = []
+    zero_grad: list[int] = []
+    tensors: list[str] = []
+
+
+class RunResident(msgspec.Struct, frozen=True, tag="run_resident"):
+    """RunGraph with resident state: handles and slots as arguments, outputs kept or accumulated.
+
+    Outputs at index >= ``keep_from`` that are tensors stay on the worker as
+    handles ``handle_base``, ``handle_base + 1``, …; ``grads`` pairs
+    ``[output index, slot id]`` accumulate that output into the slot's gradient.
+    """
+
+    graph_id: str
+    engine: str
+    args: list[ResidentArg]
+    keep_from: int = -1
+    handle_base: int = 0
+    grads: list[list[int]] = []
+    pending: Union[Pending, None] = None
+
+
+class BindSlots(msgspec.Struct, frozen=True, tag="bind_slots"):
+    """Set parameter slots (created if new) from uploaded content (RefArg) or inline tensors."""
+
+    slots: list[int]
+    values: list[Union[TensorArg, RefArg]]
+    pending: Union[Pending, None] = None
+
+
+class AccumulateGrads(msgspec.Struct, frozen=True, tag="accumulate_grads"):
+    """Add gradients computed on the client (frames) into parameter slots' gradients."""
+
+    slots: list[int]
+    metas: list[TensorMeta]
+    pending: Union[Pending, None] = None
+
+
+class PullSlots(msgspec.Struct, frozen=True, tag="pull_slots"):
+    """Ask for the current values (and gradients) of parameter slots."""
+
+    slots: list[int]
+    grads: bool = False
+    pending: Union[Pending, None] = None
+
+
+class OptimCreate(msgspec.Struct, frozen=True, tag="optim_create"):
+    """Create ``torch.optim.<name>`` on the worker over slots, one list per parameter group."""
+
+    optim: int
+    name: str
+    groups: list[list[int]]
+    hyper: list[dict[str, Hyper]]
+    pending: Union[Pending, None] = None
+
+
+class OptimStep(msgspec.Struct, frozen=True, tag="optim_step"):
+    """Set changed hyperparameters per group (``hyper[i]`` for group i), then ``step()``."""
+
+    optim: int
+    hyper: list[dict[str, Hyper]] = []
+    pending: Union[Pending, None] = None
+
+
+class OptimZeroGrad(msgspec.Struct, frozen=True, tag="optim_zero_grad"):
+    """``zero_grad(set_to_none)`` of a worker-side optimizer."""
+
+    optim: int
+    set_to_none: bool = True
+    pending: Union[Pending, None] = None
+
+
+class ClipGradNorm(msgspec.Struct, frozen=True, tag="clip_grad_norm"):
+    """``torch.nn.utils.clip_grad_norm_`` over an optimizer's parameters; answers the norm."""
+
+    optim: int
+    max_norm: float
+    norm_type: float = 2.0
+    error_if_nonfinite: bool = False
+    pending: Union[Pending, None] = None
+
+
+class OptimGetState(msgspec.Struct, frozen=True, tag="optim_get_state"):
+    """Ask for an optimizer's per-parameter state (for a checkpoint)."""
+
+    optim: int
+    pending: Union[Pending, None] = None
+
+
+class OptimSetState(msgspec.Struct, frozen=True, tag="optim_set_state"):
+    """Replace an optimizer's per-parameter state; ``entries`` as in :class:`OptimStateReply`."""
+
+    optim: int
+    entries: list[tuple[int, str, Union[TensorArg, ScalarArg]]]
+    pending: Union[Pending, None] = None
+
+
+class OptimStateReply(msgspec.Struct, frozen=True, tag="optim_state_reply"):
+    """Per-parameter optimizer state: ``[parameter index, key, value]`` entries, tensors in frames.
+
+    The parameter index counts the optimizer's parameters group by group, as
+    ``torch.optim.Optimizer.state_dict()`` does.
+    """
+
+    entries: list[tuple[int, str, Union[TensorArg, ScalarArg]]]
+
+
+class ResidentReply(msgspec.Struct, frozen=True, tag="resident_reply"):
+    """Outputs of a RunResident: tensors in frames, scalars, or handles kept on the worker."""
+
+    outputs: list[ResidentArg]
+    run_ms: float
+    compiled: bool = False
+
+
+class PullReply(msgspec.Struct, frozen=True, tag="pull_reply"):
+    """Slot values (and gradients, nil where none) as tensors in frames."""
+
+    values: list[TensorMeta]
+    grads: list[Union[TensorMeta, None]] = []
+
+
+class NormReply(msgspec.Struct, frozen=True, tag="norm_reply"):
+    norm: float
+
+
+TrainingRequest = Union[Pending, RunResident, BindSlots, AccumulateGrads, PullSlots, OptimCreate,
+                        OptimStep, OptimZeroGrad, ClipGradNorm, OptimGetState, OptimSetState]
+TRAINING_REQUESTS = (Pending, RunResident, BindSlots, AccumulateGrads, PullSlots, OptimCreate,
+                     OptimStep, OptimZeroGrad, ClipGradNorm, OptimGetState, OptimSetState)
+Request = Union[Request, TrainingRequest]
+Reply = Union[Reply, ResidentReply, PullReply, NormReply, OptimStateReply]
+
+
 # -------------------------------------------------------------------- profiling
 class ProfileGraph(msgspec.Struct, frozen=True, tag="profile"):
     """Run an uploaded graph ``warmups`` times untimed, then ``repeats`` times timed."""

@@ -20,15 +20,19 @@ log = logging.getLogger(__name__)
 
 
 def reserve(stores: tuple[SharedStore, ...], session: object, nbytes: int, *,
-            quota: int | None, limit: int | None) -> None:
-    """Make room for ``nbytes`` more held by ``session``, or raise QuotaExceededError."""
+            quota: int | None, limit: int | None, other_held: int = 0, other_live: int = 0) -> None:
+    """Make room for ``nbytes`` more held by ``session``, or raise QuotaExceededError.
+
+    ``other_held``/``other_live``: bytes outside the stores (training state)
+    that the session, and all sessions, hold.
+    """
     if quota is not None:
-        held = sum(s.session_bytes(session) for s in stores)
+        held = other_held + sum(s.session_bytes(session) for s in stores)
         if held + nbytes > quota:
             raise QuotaExceededError(f"session would hold {held + nbytes} bytes on the worker, over its "
                                      f"memory quota of {quota} (holds {held} now)")
     if limit is not None:
-        live = sum(s.total_bytes for s in stores)
+        live = other_live + sum(s.total_bytes for s in stores)
         over = live + sum(s.orphan_bytes for s in stores) + nbytes - limit
         for store in stores:
             if over <= 0:

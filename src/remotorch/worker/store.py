@@ -120,6 +120,20 @@ class SharedStore:
                 self.orphan_bytes -= entry.nbytes
         return freed
 
+    def release(self, session: object, keys) -> None:
+        """Drop a session's hold on some keys (freed when it was the last holder)."""
+        with self._lock:
+            held = self._by_session.get(session, set())
+            for key in keys:
+                if key not in held:
+                    continue
+                held.discard(key)
+                entry = self._entries[key]
+                entry.holders.discard(session)
+                if not entry.holders:
+                    del self._entries[key]
+                    self.total_bytes -= entry.nbytes
+
     def __len__(self) -> int:
         return len(self._entries)
 

@@ -23,6 +23,7 @@ from . import engines, quota
 from .deadline import DeadlineExpired, deadline
 from .store import SharedStore
 from .timing import MAX_REPEATS, MAX_WARMUPS, TimedRuns, time_runs
+from .training import TrainingState
 
 log = logging.getLogger(__name__)
 
@@ -88,32 +89,38 @@ class Worker:
             self.engines = list(engine_names)
         self._graphs = SharedStore(limits.cache_bytes)
         self._tensors = SharedStore(limits.cache_bytes)
+        self.training = TrainingState(self.device)
 
     # ------------------------------------------------------------------ sessions
     def close_session(self, session: object) -> None:
         """Release everything a session held (objects no one else holds are freed)."""
         self._graphs.drop_session(session)
         self._tensors.drop_session(session)
+        self.training.drop_session(session)
 
     def info(self) -> dict:
         return {"name": self.name, "device": str(self.device), "torch_version": str(torch.__version__),
                 "engines": list(self.engines),
-                "resident_bytes": self._tensors.total_bytes,
+                "resident_bytes": self._tensors.total_bytes + self.training.total_bytes(),
                 "cached_bytes": self._tensors.orphan_bytes + self._graphs.orphan_bytes,
                 "price_per_hour": self.price_per_hour}
 
     def memory(self) -> dict:
         """Bytes held by sessions and cached for nobody, per store (graphs count documents and constants)."""
         return {"tensor_bytes": self._tensors.total_bytes, "graph_bytes": self._graphs.total_bytes,
+                "training_bytes": self.training.total_bytes(),
                 "cached_bytes": self._tensors.orphan_bytes + self._graphs.orphan_bytes}
 
     def session_bytes(self, session: object) -> int:
-        """Bytes a session holds on this worker (what its memory quota counts)."""
-        return self._tensors.session_bytes(session) + self._graphs.session_bytes(session)
+        """Bytes a session holds on this worker (what its memory quota counts), training state included."""
+        return (self._tensors.session_bytes(session) + self._graphs.session_bytes(session)
+                + self.training.session_bytes(session))
 
     def _reserve(self, session: object, nbytes: int) -> None:
         quota.reserve((self._tensors, self._graphs), session, nbytes,
-                      quota=self.limits.memory_quota, limit=self.limits.memory_limit)
+                      quota=self.limits.memory_quota, limit=self.limits.memory_limit,
+                      other_held=self.training.session_bytes(session),
+                      other_live=self.training.total_bytes())
 
     # ------------------------------------------------------------------- uploads
     def put_graph(self, session: object, gid: str, doc: bytes, consts: list[TensorMeta], frames) -> None:
@@ -155,6 +162,16 @@ class Worker:
                 continue
             tensor = self.wire_tensor(meta, frames).to(self.device)
             self._tensors.put(session, tid, tensor, tensor.numel() * tensor.element_size())
+
+    def release_tensors(self, session: object, ids) -> None:
+        """Drop this session's hold on uploaded tensors (a superseded version of a buffer)."""
+        self._tensors.release(session, ids)
+
+    def resident_tensor(self, session: object, tid: str) -> torch.Tensor:
+        """A tensor this session uploaded with ``put_tensors``; MissingObjectsError otherwise."""
+        if self._tensors.missing(session, [tid]):
+            raise MissingObjectsError("worker does not hold this tensor for this session", tensors=[tid])
+        return self._tensors.get(session, tid)
 
     def wire_tensor(self, meta: TensorMeta, frames) -> torch.Tensor:
         if not 0 <= meta.frame < len(frames):

@@ -1,0 +1,95 @@
+"""Which local parameters live in worker-side slots, and whether the local copy moved.
+
+Every trainable parameter a training forward uses gets a slot, so weights
+are not uploaded again each step. Its gradients stay on the worker only
+while a worker-side optimizer (:class:`remotorch.optim.RemoteOptimizer`)
+manages the slot; otherwise they come back to ``p.grad`` as in plain
+PyTorch, so a local optimizer keeps working (and its in-place updates are
+uploaded before the next call, as below).
+
+Once a trainable parameter is in a slot, the worker's value is the truth: the
+optimizer updates it there and the local tensor goes stale without its
+version counter moving. So a slot records the local ``_version`` at the last
+moment both sides were known equal (bind or pull). While the local version
+stays there, calls reference the slot and nothing is uploaded; when it moved,
+the user changed the tensor in place here, and the next call binds the slot
+to the new local value (that local change wins, as it would in plain PyTorch).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+_OWNER_ATTR = "_remotorch_owner"
+
+
+@dataclass
+class Slot:
+    ref: weakref.ref
+    sid: int
+    version: int  # local _version when local and worker were last equal; -1 before the first bind
+    # worker-side optimizers over this slot: while there is one, gradients stay on the worker
+    optims: set[int] = field(default_factory=set)
+    stepped: bool = False  # an optimizer changed the worker's value since the local copy was equal
+
+
+class ParamSlots:
+    """Slots of one session, by local tensor identity."""
+
+    def __init__(self, owner: object) -> None:
+        self._owner = weakref.ref(owner)
+        self._by_tensor: dict[int, Slot] = {}
+        self._next = 1
+        self._dropped: deque[int] = deque()
+        self.bound = False  # some slot was bound on the worker: it holds parameters of record
+
+    def __len__(self) -> int:
+        return len(self._by_tensor)
+
+    def lookup(self, t: torch.Tensor) -> Slot | None:
+        """The slot of exactly this tensor object, if it has one."""
+        slot = self._by_tensor.get(id(t))
+        return slot if slot is not None and slot.ref() is t else None
+
+    def get_or_new(self, t: torch.Tensor) -> Slot:
+        """The tensor's slot, creating an unbound one (version -1) if needed."""
+        slot = self.lookup(t)
+        if slot is None:
+            key, sid = id(t), self._next
+            self._next += 1
+            slot = Slot(weakref.ref(t, lambda _, k=key, s=sid: self._dead(k, s)), sid, -1)
+            self._by_tensor[key] = slot
+            setattr(t, _OWNER_ATTR, self._owner)
+        return slot
+
+    def _dead(self, key: int, sid: int) -> None:
+        slot = self._by_tensor.get(key)
+        if slot is not None and slot.sid == sid:
+            del self._by_tensor[key]
+        self._dropped.append(sid)
+
+    def forget_optim(self, oid: int) -> None:
+        """An optimizer is gone: its slots' gradients come back to the client again."""
+        for slot in self._by_tensor.values():
+            slot.optims.discard(oid)
+
+    def stale(self, slot: Slot, t: torch.Tensor) -> bool:
+        """True when the worker's slot does not hold this tensor's local value of record."""
+        return slot.version != t._version
+
+    def take_dropped(self) -> list[int]:
+        """Slot ids whose local tensor died since the last call."""
+        out = []
+        while self._dropped:
+            out.append(self._dropped.popleft())
+        return out
+
+
+def owner_of(t: torch.Tensor):
+    """The object (a session) whose slots claim this tensor, or None."""
+    ref = getattr(t, _OWNER_ATTR, None)
+    return ref() if ref is not None else None

@@ -1,0 +1,271 @@
+"""Training state a worker keeps per session: saved activations, parameters, optimizers.
+
+Three kinds of objects, each named by an integer the client chose:
+
+* **handles**: tensors a forward graph saved for its backward. They stay here
+  and the backward names them; the client drops them when autograd frees its
+  local placeholders.
+* **slots**: trainable parameters (``torch.nn.Parameter``), with their
+  gradient accumulated here with PyTorch's semantics (set when there is none,
+  added in place otherwise). Slots are private to the session: a slot is a
+  copy, never the content-addressed tensor other sessions may share.
+* **optimizers**: instances of a class of ``torch.optim`` looked up by name
+  (never code from the wire), over slots, with hyperparameters as plain values.
+
+Nothing here knows about sockets; :mod:`remotorch.train_server` decodes the
+messages and calls these methods.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import threading
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import InvalidRequestError, MissingObjectsError, WorkerError
+
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+@dataclass
+class _SessionState:
+    handles: dict[int, torch.Tensor] = field(default_factory=dict)
+    slots: dict[int, torch.nn.Parameter] = field(default_factory=dict)
+    optims: dict[int, torch.optim.Optimizer] = field(default_factory=dict)
+
+
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """The ``torch.optim`` class called ``name``; InvalidRequestError for anything else."""
+    cls = getattr(torch.optim, name, None) if _NAME.match(name) else None
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+            and cls is not torch.optim.Optimizer):
+        raise InvalidRequestError(f"{name[:80]!r} is not an optimizer class of torch.optim")
+    return cls
+
+
+def plain_hyper(hyper: dict) -> dict:
+    """Hyperparameters as the optimizer wants them: identifier keys, lists become tuples."""
+    out = {}
+    for key, value in hyper.items():
+        if not _KEY.match(key) or key == "params":
+            raise InvalidRequestError(f"hyperparameter name {key[:80]!r} is not allowed")
+        out[key] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+class TrainingState:
+    """Handles, parameter slots and optimizers of every session on one worker."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._sessions: dict[object, _SessionState] = {}
+        self._lock = threading.Lock()
+
+    def _state(self, session: object) -> _SessionState:
+        state = self._sessions.get(session)
+        if state is None:
+            with self._lock:
+                state = self._sessions.setdefault(session, _SessionState())
+        return state
+
+    def drop_session(self, session: object) -> None:
+        """Free everything a session kept (called when its connection closes)."""
+        with self._lock:
+            self._sessions.pop(session, None)
+
+    def total_bytes(self) -> int:
+        """Bytes held for all sessions: handles, parameters, gradients and optimizer state."""
+        with self._lock:
+            states = list(self._sessions.values())
+        return self._bytes(states)
+
+    def session_bytes(self, session: object) -> int:
+        """Bytes held for one session (what a per-session memory quota would count)."""
+        st = self._sessions.get(session)
+        return self._bytes([st]) if st is not None else 0
+
+    @staticmethod
+    def _bytes(states: list[_SessionState]) -> int:
+        seen: set[int] = set()
+        total = 0
+
+        def add(t) -> None:
+            nonlocal total
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                total += _nbytes(t)
+
+        for st in states:
+            for t in list(st.handles.values()):
+                add(t)
+            for p in list(st.slots.values()):
+                add(p)
+                add(p.grad)
+            for opt in list(st.optims.values()):
+                for per_param in list(opt.state.values()):
+                    for v in per_param.values():
+                        add(v)
+        return total
+
+    # ----------------------------------------------------------------- handles
+    def apply_pending(self, session: object, zero_grad=(), handles=(), slots=(), optims=()) -> None:
+        """Deferred housekeeping: clear optimizers' gradients (set to None), then forget handles,
+        slots and optimizers. Ids this session does not hold are ignored."""
+        st = self._state(session)
+        for o in zero_grad:
+            opt = st.optims.get(o)
+            if opt is not None:
+                opt.zero_grad(set_to_none=True)
+        for h in handles:
+            st.handles.pop(h, None)
+        for s in slots:
+            st.slots.pop(s, None)
+        for o in optims:
+            st.optims.pop(o, None)
+
+    def handle(self, session: object, hid: int) -> torch.Tensor:
+        try:
+            return self._state(session).handles[hid]
+        except KeyError:
+            raise MissingObjectsError(f"handle {hid} is not held by this session (released, or the "
+                                      "connection was lost)", tensors=[f"handle:{hid}"]) from None
+
+    def keep(self, session: object, base: int, tensors: list[torch.Tensor]) -> list[int]:
+        """Store tensors as handles ``base``, ``base + 1``, …; ids must be new to the session."""
+        st = self._state(session)
+        ids = list(range(base, base + len(tensors)))
+        if any(h in st.handles for h in ids):
+            raise InvalidRequestError(f"handle ids from {base} are already in use")
+        for h, t in zip(ids, tensors):
+            st.handles[h] = t
+        return ids
+
+    # ------------------------------------------------------------------- slots
+    def slot(self, session: object, sid: int) -> torch.nn.Parameter:
+        try:
+            return self._state(session).slots[sid]
+        except KeyError:
+            raise MissingObjectsError(f"parameter slot {sid} is not held by this session (the "
+                                      "connection was lost, or it was never bound)",
+                                      tensors=[f"slot:{sid}"]) from None
+
+    def bind(self, session: object, sid: int, value: torch.Tensor, *, private: bool) -> None:
+        """Set a slot's value; a new slot gets its own copy unless ``value`` is already private."""
+        st = self._state(session)
+        value = value.to(self.device)
+        p = st.slots.get(sid)
+        if p is not None and p.shape == value.shape and p.dtype == value.dtype:
+            with torch.no_grad():
+                p.copy_(value)
+            return
+        if p is not None and any(p is q for o in st.optims.values()
+                                 for g in o.param_groups for q in g["params"]):
+            raise InvalidRequestError(f"slot {sid} changed shape or dtype while an optimizer uses it")
+        data = value if private and value.is_contiguous() else value.clone(memory_format=torch.contiguous_format)
+        st.slots[sid] = torch.nn.Parameter(data, requires_grad=True)
+
+    def accumulate(self, session: object, sid: int, grad: torch.Tensor, *, owned: bool) -> None:
+        """PyTorch's AccumulateGrad: set the gradient when there is none, else add in place."""
+        p = self.slot(session, sid)
+        grad = grad.to(self.device)
+        if grad.shape != p.shape:
+            raise InvalidRequestError(f"gradient of shape {list(grad.shape)} for slot {sid} of shape "
+                                      f"{list(p.shape)}")
+        if grad.dtype != p.dtype:
+            grad = grad.to(p.dtype)
+            owned = True
+        if p.grad is None:
+            p.grad = grad if owned else grad.clone()
+        else:
+            p.grad.add_(grad)
+
+    def pull(self, session: object, slots: list[int], grads: bool) -> tuple[list, list]:
+        ps = [self.slot(session, s) for s in slots]
+        return [p.detach() for p in ps], [p.grad if grads else None for p in ps]
+
+    # -------------------------------------------------------------- optimizers
+    def optim_create(self, session: object, oid: int, name: str, groups: list[list[int]],
+                     hyper: list[dict]) -> None:
+        """Build ``torch.optim.<name>`` over slots, one group per list."""
+        cls = optimizer_class(name)
+        if len(hyper) != len(groups):
+            raise InvalidRequestError("one hyperparameter map per parameter group is needed")
+        st = self._state(session)
+        if oid in st.optims:
+            raise InvalidRequestError(f"optimizer id {oid} is already in use")
+        param_groups = [{**plain_hyper(h), "params": [self.slot(session, s) for s in g]}
+                        for g, h in zip(groups, hyper)]
+        # the first group's values that the constructor takes become its arguments, so the
+        # class checks them (a group may hold more keys, e.g. a scheduler's initial_lr)
+        takes = inspect.signature(cls.__init__).parameters
+        first = plain_hyper(hyper[0]) if hyper else {}
+        try:
+            st.optims[oid] = cls(param_groups, **{k: v for k, v in first.items() if k in takes})
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"torch.optim.{name} refused its arguments: {exc}") from None
+
+    def _optim(self, session: object, oid: int) -> torch.optim.Optimizer:
+        try:
+            return self._state(session).optims[oid]
+        except KeyError:
+            raise MissingObjectsError(f"optimizer {oid} is not held by this session",
+                                      tensors=[f"optim:{oid}"]) from None
+
+    def optim_step(self, session: object, oid: int, hyper: list[dict]) -> None:
+        """Apply changed hyperparameters (``hyper[i]`` to group i), then step."""
+        opt = self._optim(session, oid)
+        if len(hyper) > len(opt.param_groups):
+            raise InvalidRequestError("more hyperparameter maps than parameter groups")
+        for group, h in zip(opt.param_groups, hyper):
+            group.update(plain_hyper(h))
+        try:
+            opt.step()
+        except Exception as exc:
+            raise WorkerError(f"{type(opt).__name__}.step failed: {type(exc).__name__}: {exc}",
+                              remote_traceback=traceback.format_exc()) from None
+
+    def optim_zero_grad(self, session: object, oid: int, set_to_none: bool) -> None:
+        self._optim(session, oid).zero_grad(set_to_none=set_to_none)
+
+    def optim_state(self, session: object, oid: int) -> list[tuple[int, str, object]]:
+        """The optimizer's per-parameter state as ``(parameter index, key, value)`` entries."""
+        state = self._optim(session, oid).state_dict()["state"]
+        return [(idx, key, value) for idx, per_param in sorted(state.items())
+                for key, value in per_param.items()]
+
+    def optim_set_state(self, session: object, oid: int, entries: list) -> None:
+        """Replace the per-parameter state (PyTorch's load_state_dict casts it to the parameters)."""
+        opt = self._optim(session, oid)
+        current = opt.state_dict()
+        n = sum(len(g["params"]) for g in current["param_groups"])
+        state: dict[int, dict] = {}
+        for idx, key, value in entries:
+            if not 0 <= idx < n or not _KEY.match(key):
+                raise InvalidRequestError(f"optimizer state entry ({idx}, {key[:80]!r}) does not fit")
+            state.setdefault(idx, {})[key] = value
+        try:
+            opt.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+        except (TypeError, ValueError, KeyError, RuntimeError) as exc:
+            raise InvalidRequestError(f"{type(opt).__name__} refused the state: {exc}") from None
+
+    def clip_grad_norm(self, session: object, oid: int, max_norm: float, norm_type: float,
+                       error_if_nonfinite: bool) -> float:
+        """``clip_grad_norm_`` over every parameter of the optimizer; the total norm before clipping."""
+        opt = self._optim(session, oid)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        try:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type,
+                                                  error_if_nonfinite=error_if_nonfinite)
+        except RuntimeError as exc:
+            raise WorkerError(f"clip_grad_norm_ failed: {exc}",
+                              remote_traceback=traceback.format_exc()) from None
+        return float(norm)

@@ -1,0 +1,92 @@
+"""Unit tests of the worker's training state (in-process; the wire is covered in test_training.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remotorch.errors import InvalidRequestError, MissingObjectsError
+from remotorch.worker.training import TrainingState, optimizer_class, plain_hyper
+
+S = "session-a"
+
+
+@pytest.fixture
+def state():
+    return TrainingState(torch.device("cpu"))
+
+
+def test_gradients_accumulate_like_autograd(state):
+    state.bind(S, 1, torch.zeros(3), private=True)
+    g = torch.ones(3)
+    state.accumulate(S, 1, g, owned=False)
+    p = state.slot(S, 1)
+    assert torch.equal(p.grad, torch.ones(3))
+    g.mul_(5)  # not owned: the first gradient was copied, so this does not leak in
+    assert torch.equal(p.grad, torch.ones(3))
+    state.accumulate(S, 1, torch.full((3,), 2.0), owned=True)
+    assert torch.equal(p.grad, torch.full((3,), 3.0))
+    with pytest.raises(InvalidRequestError, match="shape"):
+        state.accumulate(S, 1, torch.ones(4), owned=True)
+    state.accumulate(S, 1, torch.ones(3, dtype=torch.float64), owned=True)  # converted to the slot's dtype
+    assert p.grad.dtype == torch.float32 and torch.equal(p.grad, torch.full((3,), 4.0))
+
+
+def test_bind_copies_shared_content_and_overwrites_in_place(state):
+    shared = torch.arange(4.0)
+    state.bind(S, 1, shared, private=False)
+    p = state.slot(S, 1)
+    assert p.data_ptr() != shared.data_ptr()  # a content-addressed tensor is never mutated
+    opt = torch.optim.SGD([p], lr=1.0)
+    p.grad = torch.ones(4)
+    opt.step()
+    assert torch.equal(shared, torch.arange(4.0))
+    state.bind(S, 1, torch.full((4,), 7.0), private=True)  # same shape: same Parameter object
+    assert state.slot(S, 1) is p and torch.equal(p, torch.full((4,), 7.0))
+
+
+def test_slot_used_by_an_optimizer_cannot_change_shape(state):
+    state.bind(S, 1, torch.zeros(2), private=True)
+    state.optim_create(S, 1, "SGD", [[1]], [{"lr": 0.1}])
+    with pytest.raises(InvalidRequestError, match="changed shape"):
+        state.bind(S, 1, torch.zeros(3), private=True)
+
+
+def test_total_bytes_counts_params_grads_state_and_handles_once(state):
+    state.bind(S, 1, torch.zeros(10), private=True)  # 40 bytes
+    state.accumulate(S, 1, torch.ones(10), owned=True)  # +40
+    h = torch.ones(5)
+    state.keep(S, 100, [h, h])  # the same tensor twice: +20 once
+    assert state.total_bytes() == 100
+    state.optim_create(S, 7, "Adam", [[1]], [{"lr": 0.1}])
+    state.optim_step(S, 7, [])
+    assert state.total_bytes() == 100 + 80 + 4  # exp_avg, exp_avg_sq, step
+    state.apply_pending(S, zero_grad=[7], handles=[100, 101])
+    assert state.slot(S, 1).grad is None
+    assert state.total_bytes() == 40 + 84
+    state.bind("session-b", 1, torch.zeros(2), private=True)
+    assert state.session_bytes("session-b") == 8
+    assert state.session_bytes(S) == 40 + 84
+    state.drop_session(S)
+    assert state.total_bytes() == 8
+    assert state.session_bytes(S) == 0
+
+
+def test_handles_are_per_session_and_ids_are_not_reused(state):
+    state.keep(S, 1, [torch.ones(1)])
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        state.keep(S, 1, [torch.ones(1)])
+    with pytest.raises(MissingObjectsError) as info:
+        state.handle("session-b", 1)
+    assert info.value.tensors == ["handle:1"]
+
+
+def test_optimizer_names_resolve_only_to_torch_optim_classes():
+    assert optimizer_class("AdamW") is torch.optim.AdamW
+    for name in ("Optimizer", "lr_scheduler", "__class__", "_functional", "SGD.step", "", "x" * 100):
+        with pytest.raises(InvalidRequestError):
+            optimizer_class(name)
+    assert plain_hyper({"betas": [0.8, 0.9], "lr": 0.1}) == {"betas": (0.8, 0.9), "lr": 0.1}
+    for key in ("params", "_x", "a b", "__init__"):
+        with pytest.raises(InvalidRequestError):
+            plain_hyper({key: 1})
