@@ -8,6 +8,7 @@ into its local fallback.
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import subprocess
@@ -272,3 +273,21 @@ def test_closing_a_session_of_a_frozen_worker_does_not_hang(start_server):
         assert time.monotonic() - start < 10
     finally:
         os.kill(srv.proc.pid, signal.SIGCONT)
+
+
+def test_training_state_survives_a_dropped_connection(leased):
+    """Saved activations stay on the worker while the lease holds: backward after a reconnect works."""
+    session = remotorch.Session(leased.url, token=TOKEN)
+    try:
+        torch.manual_seed(21)
+        model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        reference = copy.deepcopy(model)
+        x = torch.randn(5, 12)
+        loss = remotorch.compile(model, session=session, fallback="raise")(x).sum()
+        session._transport.close()  # the connection drops between forward and backward
+        loss.backward()
+        reference(x).sum().backward()
+        for p, r in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
+    finally:
+        session.close()

@@ -630,11 +630,21 @@ def test_bad_training_requests_are_typed_errors(session):
     assert session.health()["name"] == "test"
 
 
+def lose_worker_state(session) -> None:
+    """The worker ends the session (as when its lease runs out) and the connection drops.
+
+    A dropped connection alone keeps the session for its lease (the client
+    re-attaches); ending it on the worker is what loses the state.
+    """
+    session._transport.request(m.encode(m.Detach()))
+    session._transport.close()
+
+
 def test_backward_after_the_worker_lost_the_activations_is_a_typed_error(session):
     torch.manual_seed(19)
     model = models.mlp()
     loss = compile_remote(model, session)(torch.randn(4, 784)).sum()
-    session._transport.close()  # the connection drops: the worker frees the session's state
+    lose_worker_state(session)
     with pytest.raises(MissingObjectsError, match="handle"):
         loss.backward()
     assert session.health()["name"] == "test"
@@ -681,7 +691,7 @@ def test_trained_parameters_lost_with_the_connection_are_a_typed_error_not_a_sta
     model = models.mlp()
     reference, opt, _ = train_pair(model, classifier_loss, lambda: mlp_batch(8), session, 2, lr=1e-2)
     step = compile_remote(classifier_loss(model), session)
-    session._transport.close()  # the worker frees the trained parameters with the session
+    lose_worker_state(session)  # the worker frees the trained parameters with the session
     with pytest.raises(MissingObjectsError, match="slot"):
         step(*mlp_batch(8))
     with pytest.raises(MissingObjectsError, match="optimizer"):
