@@ -77,7 +77,8 @@ def _doc(rng: random.Random) -> bytes:
                       "kwargs": rng.choice([{}, {"alpha": 2}, {"__class__": 1}, {"a b": 1}, []])})
     if rng.random() < 0.8:
         nodes.append({"op": "output", "args": [{"$n": f"v{rng.randrange(0, len(nodes) + 1)}"}]})
-    rng.shuffle(nodes) if rng.random() < 0.2 else None
+    if rng.random() < 0.2:
+        rng.shuffle(nodes)
     return msgspec.msgpack.encode({"format": rng.choice([1, 1, 1, 2, "1"]), "nodes": nodes})
 
 
