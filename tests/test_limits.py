@@ -19,7 +19,7 @@ from conftest import TOKEN, spawn_server, wait_until
 MiB = 1 << 20
 LIMIT_ARGS = ("--memory-quota", "1M", "--memory-limit", "3M", "--cache-bytes", "2M",
               "--max-message-bytes", "4M", "--max-graph-bytes", "256K", "--max-tensor-bytes", "2M",
-              "--request-timeout", "0.1")  # the slow graph below needs > 0.25 s at peak FLOP/s
+              "--request-timeout", "0.1", "--message-timeout", "1")  # the slow graph below needs > 0.25 s at peak FLOP/s
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +224,24 @@ def test_memory_error_receiving_a_huge_frame_drops_only_that_connection(server, 
             pass
     assert server.alive()
     assert session.health()["name"] == "test"
+
+
+def test_a_stalled_message_holds_the_worker_only_for_the_message_timeout(limited, sessions):
+    import socket
+    import time
+
+    s = sessions()
+    assert s.health()["name"] == "limited"
+    sock = socket.create_connection((limited.host, limited.port), timeout=30)
+    with sock:
+        framing.client_handshake(sock, TOKEN.encode(), m.PROTOCOL_VERSION)
+        sock.sendall(framing.MAGIC + b"\x00" * 6)  # the start of a prefix, and then nothing
+        time.sleep(0.2)  # the worker is now waiting for the rest
+        start = time.monotonic()
+        assert s.health()["name"] == "limited"  # served once the stalled connection is given up
+        assert time.monotonic() - start < 5
+        sock.settimeout(5)
+        try:
+            assert sock.recv(1) == b""  # the stalled connection was closed
+        except ConnectionResetError:
+            pass

@@ -76,7 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"remotorch serve: {exc}", file=sys.stderr)
         return 2
     server = WorkerServer(worker, args.host, args.port, token, max_message_bytes=args.max_message_bytes,
-                          lease_s=args.lease, tls=tls)
+                          lease_s=args.lease, tls=tls, message_timeout=args.message_timeout)
     signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
     if args.exit_on_stdin_close:
         def watch() -> None:
@@ -186,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest single tensor (default 64G)")
     serve.add_argument("--request-timeout", type=float, default=None,
                        help="seconds one graph may run before it is stopped; default: no limit")
+    serve.add_argument("--message-timeout", type=float, default=60.0,
+                       help="seconds a client may take to send the rest of a message it started (default 60)")
     serve.add_argument("--lease", type=float, default=30.0,
                        help="seconds a session outlives its connection or its last heartbeat (default 30)")
     serve.set_defaults(fn=cmd_serve)

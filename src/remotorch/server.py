@@ -34,7 +34,7 @@ class WorkerServer:
     def __init__(self, worker: Worker, host: str = "127.0.0.1", port: int = 7878,
                  token: str | None = None, *, max_frame_bytes: int = 1 << 38,
                  max_message_bytes: int | None = None, lease_s: float = 30.0,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, message_timeout: float = 60.0) -> None:
         self.worker = worker
         self.max_message_bytes = max_message_bytes
         if max_message_bytes is not None:  # no single frame may exceed the whole message either
@@ -44,7 +44,7 @@ class WorkerServer:
                               max_frame=max_frame_bytes, on_disconnect=self._disconnected,
                               max_header=min(64 << 20, max_message_bytes or 64 << 20),
                               protocol_error=lambda msg: m.encode(m.ErrorReply(ProtocolError.kind, msg)),
-                              tls=tls)
+                              tls=tls, message_timeout=message_timeout)
         self.address = self._tcp.address
         self.scheme = "tls" if tls is not None else "tcp"
         self._reaper_stop = threading.Event()
