@@ -143,3 +143,23 @@ def test_a_wrong_or_missing_token_changes_nothing_on_the_worker(server, make_ses
         intruder.close()
     after = observer.health()
     assert (after["sessions"], after["resident_bytes"]) == (before["sessions"], before["resident_bytes"])
+
+
+def test_training_slots_optimizers_and_handles_are_per_session(make_session):
+    """Slot and optimizer ids are small integers a client picks: another session using the same
+    numbers reaches nothing of the owner's, and cannot free it."""
+    owner, other = make_session(), make_session()
+    value = torch.arange(6, dtype=torch.float32)
+    meta, buf = tensor_to_wire(value, 0)
+    owner._request(m.BindSlots([9001], [m.TensorArg(meta)]), [buf])
+    owner._request(m.OptimCreate(9006, "SGD", [[9001]], [{"lr": 0.1}]))
+    with pytest.raises(errors.MissingObjectsError):
+        other._request(m.PullSlots([9001]))
+    with pytest.raises(errors.MissingObjectsError):
+        other._request(m.OptimStep(9006))
+    with pytest.raises(errors.MissingObjectsError):
+        other._request(m.OptimCreate(9007, "SGD", [[9001]], [{"lr": 0.1}]))
+    other._request(m.Pending(handles=[0, 1, 2], slots=[9001], optims=[9006]))  # ignored: not its ids
+    reply, frames = owner._request(m.PullSlots([9001]))
+    assert torch.equal(remotorch.codec.tensors.tensor_from_wire(reply.values[0], frames[0]), value)
+    owner._request(m.OptimStep(9006))  # the owner's optimizer is still there
