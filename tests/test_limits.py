@@ -226,7 +226,9 @@ def test_memory_error_receiving_a_huge_frame_drops_only_that_connection(server, 
     assert session.health()["name"] == "test"
 
 
-def test_a_stalled_message_holds_the_worker_only_for_the_message_timeout(limited, sessions):
+@pytest.mark.parametrize("stall", ["prefix", "large frame"])
+def test_a_stalled_message_holds_up_nobody_and_is_dropped_after_the_message_timeout(limited, sessions, stall):
+    """Reads never block the serving loop: others are served while a peer sits mid-message."""
     import socket
     import time
 
@@ -234,14 +236,23 @@ def test_a_stalled_message_holds_the_worker_only_for_the_message_timeout(limited
     assert s.health()["name"] == "limited"
     sock = socket.create_connection((limited.host, limited.port), timeout=30)
     with sock:
-        framing.client_handshake(sock, TOKEN.encode(), m.PROTOCOL_VERSION)
-        sock.sendall(framing.MAGIC + b"\x00" * 6)  # the start of a prefix, and then nothing
-        time.sleep(0.2)  # the worker is now waiting for the rest
-        start = time.monotonic()
-        assert s.health()["name"] == "limited"  # served once the stalled connection is given up
-        assert time.monotonic() - start < 5
+        key = framing.client_handshake(sock, TOKEN.encode(), m.PROTOCOL_VERSION)
+        if stall == "prefix":
+            sock.sendall(framing.MAGIC + b"\x00" * 6)  # the start of a prefix, and then nothing
+        else:  # a whole header and half of a 64 KiB frame, and then nothing
+            send_key, _ = framing.direction_keys(key, "client")
+            message = b"".join(bytes(p) for p in framing.encode_message(
+                send_key, 0, m.encode(m.Echo()), [b"\x07" * (64 << 10)]))
+            sock.sendall(message[:len(message) // 2])
+        stalled_at = time.monotonic()
+        time.sleep(0.1)  # the worker has read what there is
+        for _ in range(5):
+            assert s.health()["name"] == "limited"
+        assert time.monotonic() - stalled_at < 0.8  # all served well inside the 1 s message timeout
         sock.settimeout(5)
         try:
-            assert sock.recv(1) == b""  # the stalled connection was closed
+            assert sock.recv(1) == b""  # then the stalled connection is closed
         except ConnectionResetError:
             pass
+        assert time.monotonic() - stalled_at >= 0.9
+    assert s.health()["name"] == "limited"

@@ -21,8 +21,10 @@ from __future__ import annotations
 import hmac
 import os
 import socket
+import ssl
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from cryptography.hazmat.primitives.poly1305 import Poly1305
@@ -116,6 +118,18 @@ def send_all(sock: socket.socket, buffers: Sequence) -> int:
     return total
 
 
+@dataclass
+class _Partial:
+    """A large message being received: its prefix and header, and how far its frames got."""
+
+    seq: int
+    head: int  # bytes of prefix before the header in ``signed``
+    signed: bytes  # prefix and header, as received
+    frames: list  # one uninitialized buffer per buffer frame
+    index: int = 0  # frame being filled
+    got: int = 0  # bytes of it received
+
+
 class FramedChannel:
     """One authenticated message stream over a connected socket.
 
@@ -136,6 +150,7 @@ class FramedChannel:
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+        self._partial: _Partial | None = None
 
     def send(self, header: bytes, frames: Sequence = ()) -> int:
         """Send header + frames as one message; returns bytes written."""
@@ -170,64 +185,98 @@ class FramedChannel:
                 raise ConnectionError("connection closed by peer")
             self._end += k
 
-    def _take_frame(self, n: int) -> np.ndarray:
-        buf = np.empty(n, dtype=np.uint8)
-        have = min(n, self._end - self._start)
-        if have:
-            buf[:have] = np.frombuffer(self._view[self._start:self._start + have], dtype=np.uint8)
-            self._start += have
-        if have < n:
-            if n - have < _READ_BUFFER // 2:
-                self._fill(n - have)
-                buf[have:] = np.frombuffer(self._view[self._start:self._start + n - have], dtype=np.uint8)
-                self._start += n - have
-            else:
-                view, got = memoryview(buf), have
-                while got < n:
-                    k = self.sock.recv_into(view[got:], n - got)
-                    if k == 0:
-                        raise ConnectionError("connection closed by peer")
-                    got += k
-        return buf
-
     def recv(self) -> tuple[bytes, list, int]:
-        """Receive one message: (header, buffer frames, bytes read).
+        """Receive one message, blocking (up to the socket's timeout): (header, buffer frames, bytes read).
 
         Verifies the MAC and the sequence number before returning anything.
         Each buffer frame is a writable byte buffer of its own (a memoryview
         or a uint8 ndarray), safe to keep and to view as a tensor.
         """
-        self._fill(_FIXED.size)
-        magic, seq, n = _FIXED.unpack_from(self._buf, self._start)
-        if magic != MAGIC or not 1 <= n <= MAX_FRAMES:
-            raise FramingError("bad message prefix")
-        head = _FIXED.size + 8 * n
-        self._fill(head)
-        lengths = struct.unpack_from(f"<{n}Q", self._buf, self._start + _FIXED.size)
-        if lengths[0] > self.max_header or any(x > self.max_frame for x in lengths[1:]):
-            raise FramingError(f"message frame over the size limit ({max(lengths)} bytes)")
-        signed = head + lengths[0]
-        if sum(lengths[1:]) <= INLINE_MAC:  # the whole message sits in the read buffer
-            total = signed + sum(lengths[1:])
-            self._fill(total + MAC_SIZE)
-            s, view = self._start, self._view
-            self._verify(view[s + total:s + total + MAC_SIZE], view[s:s + total], seq)
-            header = bytes(view[s + head:s + signed])
-            frames, at = [], s + signed
-            for k in lengths[1:]:  # small: copied out of the read buffer into their own memory
-                frames.append(memoryview(bytearray(view[at:at + k])))
-                at += k
-            self._start = s + total + MAC_SIZE
-            return header, frames, total + MAC_SIZE
-        self._fill(signed)
-        prefix_and_header = bytes(self._view[self._start:self._start + signed])
-        self._start += signed
-        frames = [self._take_frame(k) for k in lengths[1:]]
+        return self._advance()
+
+    def poll(self) -> tuple[bytes, list, int] | None:
+        """Receive without blocking: take what the socket holds now; a whole message or None.
+
+        A message that arrives in pieces is assembled across calls (large
+        frames straight into their own buffers), so a peer that stops in the
+        middle of a message holds up nobody; :attr:`pending` tells that a
+        message has started.
+        """
+        timeout = self.sock.gettimeout()
+        self.sock.setblocking(False)
+        try:
+            return self._advance()
+        except (BlockingIOError, ssl.SSLWantReadError):
+            return None
+        finally:
+            self.sock.settimeout(timeout)
+
+    @property
+    def pending(self) -> bool:
+        """True when part of a message has arrived and the rest has not."""
+        return self._partial is not None or self._end > self._start
+
+    def _advance(self) -> tuple[bytes, list, int]:
+        """Go on assembling the current message; every read may raise ``BlockingIOError``.
+
+        All progress is kept in the read buffer or in ``_partial``, so after
+        an interruption the next call carries on where this one stopped.
+        """
+        part = self._partial
+        if part is None:
+            self._fill(_FIXED.size)
+            magic, seq, n = _FIXED.unpack_from(self._buf, self._start)
+            if magic != MAGIC or not 1 <= n <= MAX_FRAMES:
+                raise FramingError("bad message prefix")
+            head = _FIXED.size + 8 * n
+            self._fill(head)
+            lengths = struct.unpack_from(f"<{n}Q", self._buf, self._start + _FIXED.size)
+            if lengths[0] > self.max_header or any(x > self.max_frame for x in lengths[1:]):
+                raise FramingError(f"message frame over the size limit ({max(lengths)} bytes)")
+            signed = head + lengths[0]
+            if sum(lengths[1:]) <= INLINE_MAC:  # the whole message sits in the read buffer
+                total = signed + sum(lengths[1:])
+                self._fill(total + MAC_SIZE)
+                s, view = self._start, self._view
+                self._verify(view[s + total:s + total + MAC_SIZE], view[s:s + total], seq)
+                header = bytes(view[s + head:s + signed])
+                frames, at = [], s + signed
+                for k in lengths[1:]:  # small: copied out of the read buffer into their own memory
+                    frames.append(memoryview(bytearray(view[at:at + k])))
+                    at += k
+                self._start = s + total + MAC_SIZE
+                return header, frames, total + MAC_SIZE
+            self._fill(signed)
+            part = _Partial(seq, head, bytes(self._view[self._start:self._start + signed]),
+                            [np.empty(k, dtype=np.uint8) for k in lengths[1:]])
+            self._start += signed
+            self._partial = part
+        while part.index < len(part.frames):  # large: each frame into its own buffer
+            buf = part.frames[part.index]
+            n = buf.nbytes
+            while part.got < n:
+                have = min(n - part.got, self._end - self._start)
+                if have:
+                    buf[part.got:part.got + have] = np.frombuffer(
+                        self._view[self._start:self._start + have], dtype=np.uint8)
+                    self._start += have
+                    part.got += have
+                elif n - part.got < _READ_BUFFER // 2:
+                    self._fill(n - part.got)
+                else:
+                    k = self.sock.recv_into(memoryview(buf)[part.got:], n - part.got)
+                    if k == 0:
+                        raise ConnectionError("connection closed by peer")
+                    part.got += k
+            part.index += 1
+            part.got = 0
         self._fill(MAC_SIZE)
         mac = bytes(self._view[self._start:self._start + MAC_SIZE])
         self._start += MAC_SIZE
-        self._verify(mac, prefix_and_header + frames_tag(self._recv_key, seq, frames), seq)
-        return prefix_and_header[head:], frames, signed + sum(lengths[1:]) + MAC_SIZE
+        self._partial = None
+        self._verify(mac, part.signed + frames_tag(self._recv_key, part.seq, part.frames), part.seq)
+        size = len(part.signed) + sum(f.nbytes for f in part.frames) + MAC_SIZE
+        return part.signed[part.head:], part.frames, size
 
     def _verify(self, mac, signed, seq: int) -> None:
         if not hmac.compare_digest(mac, hmac.digest(self._recv_key, signed, "sha256")):

@@ -4,7 +4,9 @@ Handshakes run in short-lived threads (so a peer that stalls before proving
 the token cannot hold anything up). Authenticated connections are then served
 by one selector loop on the thread that calls :meth:`TcpServer.serve_forever`
 (the worker's main thread): each request is read, handled and answered there,
-with no hand-off between threads on the hot path. PyTorch's CPU kernels also
+with no hand-off between threads on the hot path. Reads never block the loop
+(a message arriving in pieces is assembled across wake-ups), so a peer that
+stops in the middle of a message holds up nobody until it is dropped. PyTorch's CPU kernels also
 run markedly slower from secondary threads, so the graphs run where they are
 fastest, one at a time.
 """
@@ -17,6 +19,7 @@ import selectors
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from .framing import AuthFailed, FramedChannel, FramingError, server_handshake
@@ -52,6 +55,7 @@ class TcpServer:
         self._ready: queue.SimpleQueue = queue.SimpleQueue()  # authenticated (cid, channel)
         self._wake_r, self._wake_w = socket.socketpair()
         self._channels: dict[int, FramedChannel] = {}
+        self._stalled: dict[int, float] = {}  # connection -> when its unfinished message times out
 
     @property
     def connections(self) -> int:
@@ -102,16 +106,29 @@ class TcpServer:
         sel.register(self._wake_r, selectors.EVENT_READ, None)
         try:
             while not self._closing.is_set():
-                for key, _ in sel.select():
+                timeout = None
+                if self._stalled:
+                    timeout = max(0.0, min(self._stalled.values()) - time.monotonic())
+                for key, _ in sel.select(timeout):
                     if key.data is None:
                         self._wake_r.recv(4096)
                         self._adopt(sel)
-                    else:
+                    elif key.data in self._channels:
                         self._serve_one(sel, key.data)
+                self._drop_stalled(sel)
         finally:
             for cid in list(self._channels):
                 self._drop(sel, cid)
             sel.close()
+
+    def _drop_stalled(self, sel: selectors.BaseSelector) -> None:
+        """Close connections whose message started more than ``message_timeout`` ago and never ended."""
+        now = time.monotonic()
+        for cid, deadline in list(self._stalled.items()):
+            if deadline <= now and cid in self._channels:
+                log.warning("connection %d dropped: a message stalled for over %.0f s", cid,
+                            self._message_timeout)
+                self._drop(sel, cid)
 
     def _adopt(self, sel: selectors.BaseSelector) -> None:
         while True:
@@ -123,20 +140,33 @@ class TcpServer:
             sel.register(channel.sock, selectors.EVENT_READ, cid)
 
     def _serve_one(self, sel: selectors.BaseSelector, cid: int) -> None:
+        """Take what a readable connection sent; answer each whole message in it.
+
+        Reads never block: a message that arrives in pieces is assembled
+        across wake-ups, so one slow or stalled peer delays nobody else. It
+        only gets ``message_timeout`` to finish a message it has started.
+        """
         channel = self._channels[cid]
         try:
-            while True:  # also drain messages already sitting in the channel's buffer
+            while True:
                 try:
-                    header, frames, _ = channel.recv()
+                    message = channel.poll()
                 except FramingError as exc:
                     if self._protocol_error and not isinstance(exc, AuthFailed):
                         channel.send(self._protocol_error(str(exc)))
                     raise
+                if message is None:
+                    if channel.pending:
+                        self._stalled.setdefault(cid, time.monotonic() + self._message_timeout)
+                    else:
+                        self._stalled.pop(cid, None)
+                    return
+                self._stalled.pop(cid, None)
+                header, frames, _ = message
+                del message
                 reply, reply_frames = self._handler(cid, header, frames)
                 del header, frames
                 channel.send(reply, reply_frames)
-                if not channel.buffered:
-                    return
         except AuthFailed as exc:
             log.warning("connection %d dropped: %s", cid, exc)
         except (FramingError, ConnectionError, OSError) as exc:
@@ -146,6 +176,7 @@ class TcpServer:
         self._drop(sel, cid)
 
     def _drop(self, sel: selectors.BaseSelector, cid: int) -> None:
+        self._stalled.pop(cid, None)
         channel = self._channels.pop(cid)
         try:
             sel.unregister(channel.sock)
