@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import hmac
 import os
+import select
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -130,6 +132,32 @@ class _Partial:
     got: int = 0  # bytes of it received
 
 
+def _send_waiting(sock: socket.socket, buffers: Sequence, timeout: float | None) -> int:
+    """Send every buffer on a non-blocking socket, waiting for room up to ``timeout`` seconds."""
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+    total = sum(v.nbytes for v in views)
+    deadline = None
+    while views:
+        try:
+            sent = sock.sendmsg(views[:_IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + (timeout if timeout is not None else 1e9)
+            if now >= deadline or not select.select([], [sock], [], deadline - now)[1]:
+                raise socket.timeout("the peer did not take the message in time")
+            continue
+        deadline = None
+        while sent and views:
+            if sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+    return total
+
+
 class FramedChannel:
     """One authenticated message stream over a connected socket.
 
@@ -139,8 +167,10 @@ class FramedChannel:
     own buffers.
     """
 
-    def __init__(self, sock: socket.socket, key: bytes, *, role: str, max_frame: int, max_header: int) -> None:
+    def __init__(self, sock: socket.socket, key: bytes, *, role: str, max_frame: int, max_header: int,
+                 send_timeout: float | None = None) -> None:
         self.sock = sock
+        self.send_timeout = send_timeout  # for a non-blocking socket: how long a send may wait
         self._send_key, self._recv_key = direction_keys(key, role)
         self._send_seq = 0
         self._recv_seq = 0
@@ -156,6 +186,8 @@ class FramedChannel:
         """Send header + frames as one message; returns bytes written."""
         parts = encode_message(self._send_key, self._send_seq, header, frames)
         self._send_seq += 1
+        if self.sock.gettimeout() == 0.0:
+            return _send_waiting(self.sock, parts, self.send_timeout)
         if len(parts) == 1:
             self.sock.sendall(parts[0])
             return len(parts[0])
@@ -203,6 +235,11 @@ class FramedChannel:
         message has started.
         """
         timeout = self.sock.gettimeout()
+        if timeout == 0.0:  # a non-blocking socket already
+            try:
+                return self._advance()
+            except (BlockingIOError, ssl.SSLWantReadError):
+                return None
         self.sock.setblocking(False)
         try:
             return self._advance()
@@ -210,6 +247,14 @@ class FramedChannel:
             return None
         finally:
             self.sock.settimeout(timeout)
+
+    @property
+    def readable(self) -> bool:
+        """True when bytes of a further message may be here already (read, or held by TLS)."""
+        if self._end > self._start:
+            return True
+        pending = getattr(self.sock, "pending", None)
+        return bool(pending and pending())
 
     @property
     def pending(self) -> bool:

@@ -90,9 +90,13 @@ class TcpServer:
             log.debug("handshake with %s failed: %s", peer, exc)
             conn.close()
             return
-        conn.settimeout(self._message_timeout)
+        if self._tls is None:
+            conn.setblocking(False)  # reads are polled; sends wait up to send_timeout themselves
+        else:
+            conn.settimeout(self._message_timeout)  # TLS: the channel switches to non-blocking per read
         self._ready.put((cid, FramedChannel(conn, key, role="server", max_frame=self._max_frame,
-                                                   max_header=self._max_header)))
+                                            max_header=self._max_header,
+                                            send_timeout=self._message_timeout)))
         try:
             self._wake_w.send(b"\x00")
         except OSError:
@@ -167,6 +171,8 @@ class TcpServer:
                 reply, reply_frames = self._handler(cid, header, frames)
                 del header, frames
                 channel.send(reply, reply_frames)
+                if not channel.readable:  # nothing more already here: back to the selector
+                    return
         except AuthFailed as exc:
             log.warning("connection %d dropped: %s", cid, exc)
         except (FramingError, ConnectionError, OSError) as exc:
