@@ -14,10 +14,9 @@ import time
 import traceback
 
 import msgspec
-import torch
 
 from .codec import messages as m
-from .codec.tensors import tensor_to_wire
+from .codec.values import values_to_args
 from .errors import (InvalidRequestError, LimitExceededError, ProtocolError, RemoteError,
                      RemoteOutOfMemoryError)
 from .leases import SESSION_ID, LeaseTable
@@ -164,16 +163,7 @@ class WorkerServer:
             else:
                 args.append(self.worker.wire_tensor(a.meta, frames))
         outs, ms, compiled = self.worker.run(session, req.graph_id, req.engine, args, frames)
-        out_args, out_frames = [], []
-        for o in outs:
-            if isinstance(o, torch.Tensor):
-                meta, buf = tensor_to_wire(o, len(out_frames))
-                out_args.append(m.TensorArg(meta))
-                out_frames.append(buf)
-            elif o is None or isinstance(o, (bool, int, float)):
-                out_args.append(m.ScalarArg(o))
-            else:
-                raise InvalidRequestError(f"graph returned a {type(o).__name__}, which cannot travel")
+        out_args, out_frames = values_to_args(outs)
         return m.encode(m.RunReply(out_args, ms, compiled)), out_frames
 
     def _profile(self, session: int, req: m.ProfileGraph, frames: list) -> tuple[bytes, list]:
@@ -182,16 +172,7 @@ class WorkerServer:
                 else self.worker.wire_tensor(a.meta, frames) for a in req.args]
         outs, runs, compiled, compile_ms = self.worker.profile(
             session, req.graph_id, req.engine, args, frames, warmups=req.warmups, repeats=req.repeats)
-        out_args, out_frames = [], []
-        for o in outs:
-            if isinstance(o, torch.Tensor):
-                meta, buf = tensor_to_wire(o, len(out_frames))
-                out_args.append(m.TensorArg(meta))
-                out_frames.append(buf)
-            elif o is None or isinstance(o, (bool, int, float)):
-                out_args.append(m.ScalarArg(o))
-            else:
-                raise InvalidRequestError(f"graph returned a {type(o).__name__}, which cannot travel")
+        out_args, out_frames = values_to_args(outs)
         worker_ms = (time.perf_counter() - start) * 1e3
         return m.encode(m.ProfileReply(out_args, runs.times_ms, runs.clock, compiled, compile_ms,
                                        worker_ms)), out_frames

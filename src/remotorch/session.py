@@ -21,11 +21,11 @@ import torch
 
 from . import errors
 from .codec import messages as m
-from .codec.tensors import content_id, tensor_from_wire, tensor_to_wire
+from .codec.tensors import content_id, tensor_to_wire
 from .config import from_env
 from .transport import TcpTransport, Transport
 from .transport.tls import client_context
-from .workers import WorkerLink, name_links, split_urls
+from .workers import WorkerLink, name_links, parse_reply, split_urls, unpack_outputs
 
 if TYPE_CHECKING:
     from .capture.remote import RemoteGraph
@@ -347,18 +347,7 @@ class Session:
 
     @staticmethod
     def _unpack(graph: RemoteGraph, reply: m.RunReply, frames: list) -> list:
-        outs = []
-        for arg, device in zip(reply.outputs, graph.output_devices):
-            if isinstance(arg, m.TensorArg):
-                t = tensor_from_wire(arg.meta, frames[arg.meta.frame])
-                outs.append(t if device is None or device.type == "cpu" else t.to(device))
-            elif isinstance(arg, m.ScalarArg):
-                outs.append(arg.value)
-            else:
-                raise errors.ProtocolError("worker answered a run with a tensor reference")
-        if len(outs) != len(graph.output_devices):
-            raise errors.ProtocolError("worker returned the wrong number of outputs")
-        return outs
+        return unpack_outputs(graph, reply.outputs, frames)
 
     def _request(self, body, frames: Sequence = ()):
         """Send one request; the reply, or its error raised as a ``RemoteError``."""
@@ -372,13 +361,7 @@ class Session:
         except errors.WorkerUnavailableError:
             self._down_until = time.monotonic() + self._retry_after
             raise
-        try:
-            reply = m.decode(header)
-        except Exception as exc:
-            raise errors.ProtocolError(f"unreadable reply from the worker: {exc}") from None
-        if isinstance(reply, m.ErrorReply):
-            raise errors.from_reply(reply.kind, reply.message, reply.traceback, reply.graphs, reply.tensors)
-        return reply, out
+        return parse_reply(header, self.url), out
 
 
 def _heartbeats(ref: weakref.ref, stop: threading.Event) -> None:

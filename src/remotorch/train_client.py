@@ -28,6 +28,7 @@ import torch
 from . import errors
 from .codec import messages as m
 from .codec.tensors import tensor_from_wire, tensor_to_wire
+from .codec.values import arg_to_value
 from .handles import ForwardCall, HandleTable, call_of, handle_of
 from .params import ParamSlots, Slot, owner_of
 
@@ -288,13 +289,8 @@ class TrainingClient:
             if isinstance(arg, m.HandleArg):
                 outs.append(self.handles.placeholder(arg.id, call))
                 self.handles.seen(arg.id)
-            elif isinstance(arg, m.TensorArg):
-                t = tensor_from_wire(arg.meta, frames[arg.meta.frame])
-                outs.append(t if device is None or device.type == "cpu" else t.to(device))
-            elif isinstance(arg, m.ScalarArg):
-                outs.append(arg.value)
             else:
-                raise errors.ProtocolError("worker answered a run with a tensor reference")
+                outs.append(arg_to_value(arg, frames, device))
         return outs
 
     # --------------------------------------------------------------------- pull

@@ -11,6 +11,7 @@ import torch
 
 from .codec import messages as m
 from .codec.tensors import tensor_to_wire
+from .codec.values import value_to_arg
 from .errors import InvalidRequestError
 from .worker import Worker
 
@@ -92,14 +93,8 @@ def _run(worker: Worker, session: object, req: m.RunResident, frames: list) -> t
             state.accumulate(session, grads[i], o, owned=ptr not in taken and not o._is_view())
             taken.add(ptr)
             out_args.append(m.ScalarArg(None))
-        elif isinstance(o, torch.Tensor):
-            meta, buf = tensor_to_wire(o, len(out_frames))
-            out_args.append(m.TensorArg(meta))
-            out_frames.append(buf)
-        elif o is None or isinstance(o, (bool, int, float)):
-            out_args.append(m.ScalarArg(o))
         else:
-            raise InvalidRequestError(f"graph returned a {type(o).__name__}, which cannot travel")
+            out_args.append(value_to_arg(o, out_frames))
     return m.encode(m.ResidentReply(out_args, ms, compiled)), out_frames
 
 

@@ -21,7 +21,8 @@ import torch
 
 from . import errors
 from .codec import messages as m
-from .codec.tensors import content_id, tensor_from_wire, tensor_to_wire
+from .codec.tensors import content_id, tensor_to_wire
+from .codec.values import arg_to_value
 from .transport import TcpTransport
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class WorkerLink:
                         raise
                     self._graphs.difference_update(exc.graphs)
                     self._tensors.difference_update(exc.tensors)
-        return ProfileResult(_unpack(graph, reply.outputs, out), list(reply.times_ms), reply.clock,
+        return ProfileResult(unpack_outputs(graph, reply.outputs, out), list(reply.times_ms), reply.clock,
                              reply.compiled, reply.compile_ms, reply.worker_ms, round_trip)
 
     def _ensure_graph(self, graph: RemoteGraph) -> None:
@@ -151,28 +152,25 @@ class WorkerLink:
 
     def _request(self, body, frames: Sequence = ()):
         header, out = self._transport.request(m.encode(body), frames)
-        try:
-            reply = m.decode(header)
-        except Exception as exc:
-            raise errors.ProtocolError(f"unreadable reply from worker {self.url}: {exc}") from None
-        if isinstance(reply, m.ErrorReply):
-            raise errors.from_reply(reply.kind, reply.message, reply.traceback, reply.graphs, reply.tensors)
-        return reply, out
+        return parse_reply(header, self.url), out
 
 
-def _unpack(graph: RemoteGraph, outputs: list, frames: list) -> list:
+def parse_reply(header: bytes, url: str | None) -> object:
+    """Decode a reply's frame 0; an ``ErrorReply`` is raised as its ``RemoteError``."""
+    try:
+        reply = m.decode(header)
+    except Exception as exc:
+        raise errors.ProtocolError(f"unreadable reply from worker {url or 'local'}: {exc}") from None
+    if isinstance(reply, m.ErrorReply):
+        raise errors.from_reply(reply.kind, reply.message, reply.traceback, reply.graphs, reply.tensors)
+    return reply
+
+
+def unpack_outputs(graph: RemoteGraph, outputs: list, frames: list) -> list:
+    """A reply's outputs as values on the devices the graph's outputs live on."""
     if len(outputs) != len(graph.output_devices):
         raise errors.ProtocolError("worker returned the wrong number of outputs")
-    outs = []
-    for arg, device in zip(outputs, graph.output_devices):
-        if isinstance(arg, m.TensorArg):
-            t = tensor_from_wire(arg.meta, frames[arg.meta.frame])
-            outs.append(t if device is None or device.type == "cpu" else t.to(device))
-        elif isinstance(arg, m.ScalarArg):
-            outs.append(arg.value)
-        else:
-            raise errors.ProtocolError("worker answered a run with a tensor reference")
-    return outs
+    return [arg_to_value(arg, frames, device) for arg, device in zip(outputs, graph.output_devices)]
 
 
 def split_urls(url: str | Sequence[str] | None) -> tuple[str | None, list[str]]:

@@ -33,7 +33,7 @@ def compile(graph, device: torch.device, example_args):
     import onnxruntime
 
     dynamic = _dynamic_shapes(graph.inputs, example_args)
-    module = graph.module.to(device).eval()
+    module = graph.module.to(device).eval()  # nn.Module.eval(): inference mode; no Python eval
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

@@ -19,7 +19,7 @@ def available(device: torch.device) -> bool:
 def compile(graph, device: torch.device, example_args):
     import torch_tensorrt
 
-    module = graph.module.to(device).eval()
+    module = graph.module.to(device).eval()  # nn.Module.eval(): inference mode; no Python eval
     compiled = torch_tensorrt.compile(module, ir="dynamo", arg_inputs=list(example_args),
                                       min_block_size=1)
     with torch.no_grad():
