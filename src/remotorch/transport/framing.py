@@ -9,7 +9,8 @@ Message on the wire::
 at most 16 KiB, ``D`` is their bytes (one HMAC over the message); above
 that, ``D`` is a 16-byte Poly1305 tag over them under a one-time key derived
 from ``k`` and ``seq`` (several GB/s, where SHA-256 would be the bottleneck).
-``k`` is this direction's key, derived from the session key that a mutual
+The tag is computed piece by piece as the frames go out and come in (one
+pass over memory, not two). ``k`` is this direction's key, derived from the session key that a mutual
 challenge–response on the shared token yields when the connection opens
 (see :func:`client_handshake`). ``seq`` must increase by one per message and
 direction, so a replayed or reordered message is refused. A receiver
@@ -42,6 +43,13 @@ INLINE_MAC = 16 << 10  # buffer frames up to this total go into the HMAC itself
 MAX_FRAMES = 65_536
 _IOV_MAX = 512
 _READ_BUFFER = 1 << 18
+# One read at the start of a message takes at most this much: a whole small
+# message (header and frames up to INLINE_MAC), but not the bulk of a large
+# frame, which goes straight into its own buffer instead of through this one.
+_SMALL_READ = INLINE_MAC + (4 << 10)
+# Large frames move in pieces of this size: each piece is MAC'd right after it
+# is received (or right before it is sent), while it is still in the cache.
+_CHUNK = 256 << 10
 
 
 class FramingError(Exception):
@@ -128,6 +136,7 @@ class _Partial:
     head: int  # bytes of prefix before the header in ``signed``
     signed: bytes  # prefix and header, as received
     frames: list  # one uninitialized buffer per buffer frame
+    tag: Poly1305  # the frames' tag so far, updated as each piece arrives
     index: int = 0  # frame being filled
     got: int = 0  # bytes of it received
 
@@ -183,15 +192,44 @@ class FramedChannel:
         self._partial: _Partial | None = None
 
     def send(self, header: bytes, frames: Sequence = ()) -> int:
-        """Send header + frames as one message; returns bytes written."""
-        parts = encode_message(self._send_key, self._send_seq, header, frames)
+        """Send header + frames as one message; returns bytes written.
+
+        A small message goes out as one buffer. A large one streams: the
+        buffer frames go in pieces of ``_CHUNK`` bytes, each added to the
+        Poly1305 tag just before it is written, and the MAC follows them.
+        """
+        key, seq = self._send_key, self._send_seq
         self._send_seq += 1
-        if self.sock.gettimeout() == 0.0:
-            return _send_waiting(self.sock, parts, self.send_timeout)
-        if len(parts) == 1:
-            self.sock.sendall(parts[0])
-            return len(parts[0])
-        return send_all(self.sock, parts)
+        views = [memoryview(f).cast("B") for f in frames]
+        sizes = [v.nbytes for v in views]
+        n = 1 + len(views)
+        head = _FIXED.pack(MAGIC, seq, n) + struct.pack(f"<{n}Q", len(header), *sizes) + header
+        blocking = self.sock.gettimeout() != 0.0
+        if sum(sizes) <= INLINE_MAC:
+            body = b"".join([head, *views]) if views else head
+            body += hmac.digest(key, body, "sha256")
+            if blocking:
+                self.sock.sendall(body)
+                return len(body)
+            return _send_waiting(self.sock, [body], self.send_timeout)
+        tag = Poly1305(frames_key(key, seq))
+        pending, size, total = [head], len(head), 0
+        for view in views:
+            for at in range(0, view.nbytes, _CHUNK):
+                piece = view[at:at + _CHUNK]
+                tag.update(piece)
+                pending.append(piece)
+                size += piece.nbytes
+                if size >= _CHUNK:
+                    total += self._write(pending, blocking)
+                    pending, size = [], 0
+        pending.append(hmac.digest(key, head + tag.finalize(), "sha256"))
+        return total + self._write(pending, blocking)
+
+    def _write(self, buffers: list, blocking: bool) -> int:
+        if blocking:
+            return send_all(self.sock, buffers)
+        return _send_waiting(self.sock, buffers, self.send_timeout)
 
     @property
     def buffered(self) -> bool:
@@ -212,7 +250,8 @@ class FramedChannel:
                 self._view[:rest] = self._view[self._start:self._end]
             self._start, self._end = 0, rest
         while self._end - self._start < need:
-            k = self.sock.recv_into(self._view[self._end:])
+            want = max(need - (self._end - self._start), _SMALL_READ)
+            k = self.sock.recv_into(self._view[self._end:], min(want, len(self._buf) - self._end))
             if k == 0:
                 raise ConnectionError("connection closed by peer")
             self._end += k
@@ -293,33 +332,37 @@ class FramedChannel:
                 return header, frames, total + MAC_SIZE
             self._fill(signed)
             part = _Partial(seq, head, bytes(self._view[self._start:self._start + signed]),
-                            [np.empty(k, dtype=np.uint8) for k in lengths[1:]])
+                            [np.empty(k, dtype=np.uint8) for k in lengths[1:]],
+                            Poly1305(frames_key(self._recv_key, seq)))
             self._start += signed
             self._partial = part
+        tag = part.tag
         while part.index < len(part.frames):  # large: each frame into its own buffer
             buf = part.frames[part.index]
             n = buf.nbytes
+            view = memoryview(buf)
             while part.got < n:
-                have = min(n - part.got, self._end - self._start)
-                if have:
-                    buf[part.got:part.got + have] = np.frombuffer(
-                        self._view[self._start:self._start + have], dtype=np.uint8)
+                got = part.got
+                have = min(n - got, self._end - self._start)
+                if have:  # what the read buffer already holds
+                    view[got:got + have] = self._view[self._start:self._start + have]
                     self._start += have
-                    part.got += have
-                elif n - part.got < _READ_BUFFER // 2:
-                    self._fill(n - part.got)
-                else:
-                    k = self.sock.recv_into(memoryview(buf)[part.got:], n - part.got)
-                    if k == 0:
+                elif n - got < _SMALL_READ:  # a short rest: through the read buffer, with the MAC
+                    self._fill(n - got)
+                    continue
+                else:  # the bulk: straight into the frame's own buffer
+                    have = self.sock.recv_into(view[got:], min(n - got, _CHUNK))
+                    if have == 0:
                         raise ConnectionError("connection closed by peer")
-                    part.got += k
+                tag.update(view[got:got + have])
+                part.got = got + have
             part.index += 1
             part.got = 0
         self._fill(MAC_SIZE)
         mac = bytes(self._view[self._start:self._start + MAC_SIZE])
         self._start += MAC_SIZE
         self._partial = None
-        self._verify(mac, part.signed + frames_tag(self._recv_key, part.seq, part.frames), part.seq)
+        self._verify(mac, part.signed + tag.finalize(), part.seq)
         size = len(part.signed) + sum(f.nbytes for f in part.frames) + MAC_SIZE
         return part.signed[part.head:], part.frames, size
 
