@@ -24,6 +24,9 @@ computed from figures of that same run:
    the CPUs' intra-op threads (``--threads``): two processes that each start
    a full OpenMP team on the same cores oversubscribe them, and the small
    MLP then takes tens of milliseconds instead of about a hundred microseconds.
+   The same rounds also time a second spawned worker on a Unix socket
+   (``serve --unix``, what the embedded worker uses), against a raw Unix
+   socket round trip; that section is for information.
 4. Overhead ratio = (remote median - local median) / raw TCP median; target <= 1.5.
    For scale, a raw TCP round trip carrying the call's own tensor bytes (the
    98 KiB input there, the 1.25 KiB output back) is printed too: that much of
@@ -52,10 +55,12 @@ import json
 import os
 import platform
 import secrets
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -90,7 +95,8 @@ def fill(conn, view, n):
     return True
 
 def serve(conn):
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if conn.family == socket.AF_INET:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     head = bytearray(16)
     if not fill(conn, memoryview(head), 16):
         return
@@ -99,11 +105,20 @@ def serve(conn):
     while fill(conn, view, n):
         conn.sendall(view[:r])
 
+def accept_all(srv):
+    while True:
+        c, _ = srv.accept()
+        threading.Thread(target=serve, args=(c,), daemon=True).start()
+
 srv = socket.create_server(("127.0.0.1", 0))
+unix_path = sys.argv[1] if len(sys.argv) > 1 else ""
+if unix_path:
+    usrv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    usrv.bind(unix_path)
+    usrv.listen()
+    threading.Thread(target=accept_all, args=(usrv,), daemon=True).start()
 print(srv.getsockname()[1], flush=True)
-while True:
-    c, _ = srv.accept()
-    threading.Thread(target=serve, args=(c,), daemon=True).start()
+accept_all(srv)
 """
 
 ZMQ_ECHO_SERVER = r"""
@@ -156,14 +171,15 @@ class Child:
                 self.proc.wait()
 
 
-def python_child(source: str) -> Child:
-    return Child([sys.executable, "-c", source], ready=lambda line: line.strip() or None)
+def python_child(source: str, *args: str) -> Child:
+    return Child([sys.executable, "-c", source, *args], ready=lambda line: line.strip() or None)
 
 
-def worker_child(device: str, token: str, threads: int) -> Child:
-    """A real ``remotorch serve`` on a free loopback port, with ``threads`` intra-op threads."""
+def worker_child(device: str, token: str, threads: int, unix_path: str | None = None) -> Child:
+    """A real ``remotorch serve`` on a free loopback port (or a Unix socket), ``threads`` intra-op threads."""
     prefix = "remotorch: serving on "
-    cmd = [sys.executable, "-m", "remotorch", "serve", "--host", "127.0.0.1", "--port", "0",
+    listen = ["--unix", unix_path] if unix_path else ["--host", "127.0.0.1", "--port", "0"]
+    cmd = [sys.executable, "-m", "remotorch", "serve", *listen,
            "--token", token, "--device", device, "--name", "bench", "--exit-on-stdin-close"]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     return Child(cmd, ready=lambda line: line[len(prefix):].strip() if line.startswith(prefix) else None,
@@ -172,12 +188,16 @@ def worker_child(device: str, token: str, threads: int) -> Child:
 
 # ------------------------------------------------------------------------------ clients
 class RawClient:
-    """One TCP connection to the raw echo server: messages of ``size`` bytes, replies of ``reply``."""
+    """One connection to the raw echo server (TCP, or a Unix socket path): ``size`` bytes there, ``reply`` back."""
 
-    def __init__(self, port: int, size: int, reply: int | None = None) -> None:
+    def __init__(self, port: int | str, size: int, reply: int | None = None) -> None:
         reply = size if reply is None else reply
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if isinstance(port, str):  # a Unix socket path
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.connect(port)
+        else:
+            self.sock = socket.create_connection(("127.0.0.1", port))
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.sendall(size.to_bytes(8, "little") + reply.to_bytes(8, "little"))
         self.buf = np.ones(reply, dtype=np.uint8)  # touched now: no page faults while timing
         self.view = memoryview(self.buf)
@@ -265,8 +285,9 @@ def capture_run_graph_call(session: remotorch.Session, compiled, x) -> tuple:
 
 
 # ------------------------------------------------------------------------ measurements
-def measure_latency(session, raw_port: int, zmq_port: int, quick: bool) -> dict:
-    """Rows 1-3: raw TCP, pyzmq, remotorch echo, run_graph, MLP local vs remote."""
+def measure_latency(session, raw_port: int, zmq_port: int, quick: bool,
+                    unix_session=None, raw_unix: str | None = None) -> dict:
+    """Rows 1-3: raw TCP, pyzmq, remotorch echo, run_graph, MLP local vs remote (and over a Unix socket)."""
     torch.manual_seed(0)
     model = models.mlp().eval()
     x = torch.randn(32, 784)
@@ -275,6 +296,7 @@ def measure_latency(session, raw_port: int, zmq_port: int, quick: bool) -> dict:
     out_bytes = model(x).numel() * 4
     raw, raw_x, zq = RawClient(raw_port, len(MSG)), RawClient(raw_port, len(x_bytes)), ZmqClient(zmq_port)
     raw_call = RawClient(raw_port, len(x_bytes), out_bytes)
+    clients = [raw, raw_x, raw_call, zq]
     try:
         with torch.no_grad():
             expected = model(x)
@@ -290,6 +312,15 @@ def measure_latency(session, raw_port: int, zmq_port: int, quick: bool) -> dict:
                 "mlp_local": lambda: model(x),
                 "mlp_remote": lambda: compiled(x),
             }
+            if unix_session is not None:
+                on_unix = remotorch.compile(model, session=unix_session, fallback="raise")
+                torch.testing.assert_close(on_unix(x), expected)
+                raw_u, raw_u_call = RawClient(raw_unix, len(MSG)), RawClient(raw_unix, len(x_bytes), out_bytes)
+                clients += [raw_u, raw_u_call]
+                probes |= {"raw_unix_64B": lambda: raw_u.roundtrip(MSG),
+                           "raw_unix_call_bytes": lambda: raw_u_call.roundtrip(x_bytes),
+                           "unix_echo_64B": lambda: unix_session.echo([MSG]),
+                           "mlp_remote_unix": lambda: on_unix(x)}
             before = session.stats()
             rows = interleaved(probes, rounds=10 if quick else 40, per_round=50, warmup=50 if quick else 200)
             after = session.stats()
@@ -297,7 +328,7 @@ def measure_latency(session, raw_port: int, zmq_port: int, quick: bool) -> dict:
             rows["worker_graph_mean_us"] = (after["remote_ms"] - before["remote_ms"]) / calls * 1e3
             rows["wire"] = wire_bytes(session, compiled, x, expected, n=200)
     finally:
-        for client in (raw, raw_x, raw_call, zq):
+        for client in clients:
             client.close()
     return rows
 
@@ -404,8 +435,23 @@ def print_latency(lat: dict) -> dict:
     print(f"  for scale: moving the call's own tensor bytes over raw TCP takes {floor:.1f} µs "
           f"= {floor / raw:.2f}x the 64 B round trip;\n  remotorch's overhead beyond that floor is "
           f"{extra - floor:.1f} µs = {(extra - floor) / raw:.2f}x")
-    return {"overhead_ratio": ratio, "overhead_pass": ratio <= OVERHEAD_TARGET,
-            "call_bytes_floor_us": floor, "overhead_beyond_floor_ratio": (extra - floor) / raw}
+    out = {"overhead_ratio": ratio, "overhead_pass": ratio <= OVERHEAD_TARGET,
+           "call_bytes_floor_us": floor, "overhead_beyond_floor_ratio": (extra - floor) / raw}
+    if "mlp_remote_unix" in lat:
+        print("\n  Same host over a Unix socket (serve --unix; what the embedded worker uses), same rounds:")
+        for key, label in (("raw_unix_64B", "raw Unix socket 64 B round trip"),
+                           ("raw_unix_call_bytes", "raw Unix socket, the call's bytes"),
+                           ("unix_echo_64B", "remotorch session.echo 64 B, unix://"),
+                           ("mlp_remote_unix", "MLP remote, unix://")):
+            print(f"    {label:44s} {lat[key]['median_us']:10.1f} {lat[key]['p99_us']:10.1f}")
+        extra_u = lat["mlp_remote_unix"]["median_us"] - lat["mlp_local"]["median_us"]
+        raw_u = lat["raw_unix_64B"]["median_us"]
+        out |= {"unix_overhead_us": extra_u, "unix_overhead_vs_raw_tcp": extra_u / raw,
+                "unix_overhead_vs_raw_unix": extra_u / raw_u}
+        print(f"    (remote - local) over unix:// = {extra_u:.1f} µs = {extra_u / raw:.2f}x the raw TCP "
+              f"64 B round trip, {extra_u / raw_u:.2f}x the raw Unix socket one (for information; "
+              f"the target is defined on TCP)")
+    return out
 
 
 def print_wire(wire: dict) -> dict:
@@ -467,8 +513,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run(args: argparse.Namespace, children: list[Child]) -> dict:
-    raw_srv = python_child(RAW_ECHO_SERVER)
+def run(args: argparse.Namespace, children: list[Child], scratch: str) -> dict:
+    raw_unix = os.path.join(scratch, "raw.sock")
+    raw_srv = python_child(RAW_ECHO_SERVER, raw_unix)
     children.append(raw_srv)
     zmq_srv = python_child(ZMQ_ECHO_SERVER)
     children.append(zmq_srv)
@@ -476,18 +523,26 @@ def run(args: argparse.Namespace, children: list[Child]) -> dict:
     threads = args.threads or (max(1, (os.cpu_count() or 2) // 2) if url is None else None)
     if threads:
         torch.set_num_threads(threads)
+    unix_url = None
     if url is None:
         token = secrets.token_hex(16)
         children.append(worker_child(args.device, token, threads))
         url = children[-1].value
+        if hasattr(socket, "AF_UNIX"):
+            children.append(worker_child(args.device, token, threads, os.path.join(scratch, "worker.sock")))
+            unix_url = children[-1].value
     raw_port = int(raw_srv.value)
+    unix_session = remotorch.Session(unix_url, token=token) if unix_url else None
     with remotorch.Session(url, token=token) as session:
         info = session.health()
         print(f"remotorch overhead benchmark ({source_version()}): torch {torch.__version__}, "
               f"python {platform.python_version()}, "
               f"{os.cpu_count()} CPUs, {torch.get_num_threads()} intra-op threads here; worker {url} "
               f"({f'spawned, {threads} threads' if args.url is None else 'given'}) on {info['device']}")
-        latency = measure_latency(session, raw_port, int(zmq_srv.value), args.quick)
+        latency = measure_latency(session, raw_port, int(zmq_srv.value), args.quick,
+                                  unix_session, raw_unix if unix_session else None)
+        if unix_session is not None:
+            unix_session.close()
         results = {"worker": {"url": url, "device": info["device"], "threads": threads},
                    "client_threads": torch.get_num_threads(), "latency": latency}
         results |= print_latency(latency)
@@ -502,11 +557,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     children: list[Child] = []
     start = time.perf_counter()
+    scratch = tempfile.mkdtemp(prefix="remotorch-bench-")
     try:
-        results = run(args, children)
+        results = run(args, children, scratch)
     finally:
         for child in reversed(children):
             child.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
     results["wall_s"] = time.perf_counter() - start
     print(f"\ntotal wall time {results['wall_s']:.1f} s")
     if args.json:

@@ -109,7 +109,7 @@ def spawn_server(*, token: str | None = TOKEN, name: str = "test", extra_args: t
     drain = threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True)  # type: ignore[union-attr]
     drain.start()
     url = found[0]
-    assert url.startswith(("tcp://127.0.0.1:", "tls://127.0.0.1:")), url
+    assert url.startswith(("tcp://127.0.0.1:", "tls://127.0.0.1:", "unix:///")), url
     return ServerProcess(proc, url, token, name, stderr_path, [drain])
 
 

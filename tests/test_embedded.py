@@ -27,7 +27,7 @@ def test_session_without_url_runs_on_an_embedded_worker(monkeypatch):
         assert session.health()["name"] == "local"
         worker = session._embedded
         assert worker is not None and worker.alive()
-        assert worker.url.startswith("tcp://127.0.0.1:")
+        assert worker.url.startswith("unix:///") and worker.transport == "unix"
         pid = worker.pid
         os.kill(pid, 0)  # the process exists
     finally:

@@ -59,7 +59,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .embedded import READY_PREFIX
 
     token = args.token or os.environ.get("REMOTORCH_TOKEN") or None
-    if not _is_loopback(args.host) and not token and not args.insecure:
+    if args.unix and args.tls_cert:
+        print("remotorch serve: --tls-cert is for TCP; a --unix socket is reachable only on this host",
+              file=sys.stderr)
+        return 2
+    if args.unix and not os.path.isabs(args.unix):
+        print(f"remotorch serve: --unix needs an absolute path, got {args.unix!r}", file=sys.stderr)
+        return 2
+    if not args.unix and not _is_loopback(args.host) and not token and not args.insecure:
         print(f"remotorch serve: refusing to listen on {args.host} without a token "
               "(give --token or REMOTORCH_TOKEN, or --insecure to accept anyone who can reach the port)",
               file=sys.stderr)
@@ -75,8 +82,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"remotorch serve: {exc}", file=sys.stderr)
         return 2
-    server = WorkerServer(worker, args.host, args.port, token, max_message_bytes=args.max_message_bytes,
-                          lease_s=args.lease, tls=tls, message_timeout=args.message_timeout)
+    try:
+        server = WorkerServer(worker, args.host, args.port, token, max_message_bytes=args.max_message_bytes,
+                              lease_s=args.lease, tls=tls, message_timeout=args.message_timeout,
+                              unix_path=args.unix)
+    except OSError as exc:
+        print(f"remotorch serve: cannot listen: {exc}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
     if args.exit_on_stdin_close:
         def watch() -> None:
@@ -164,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--name", default="worker", help="the worker's name in reports")
     serve.add_argument("--threads", type=int, default=0,
                        help="CPU threads for graph kernels (default: torch's choice)")
+    serve.add_argument("--unix", default=None, metavar="PATH",
+                       help="listen on a Unix socket at PATH (clients on this host: unix://PATH) instead of TCP")
     serve.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without a token")
     serve.add_argument("--price-per-hour", type=float, default=0.0,
                        help="$ per hour of this worker, reported for cost estimates (default 0)")
@@ -193,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(fn=cmd_serve)
 
     health = sub.add_parser("health", help="ask a worker whether it is up and what it offers")
-    health.add_argument("url", help="tcp://host:port")
+    health.add_argument("url", help="tcp://host:port, tls://host:port or unix:///path")
     health.add_argument("--token", default=None)
     health.add_argument("--timeout", type=float, default=5.0)
     health.add_argument("--tls-ca", default=None, help="CA certificate (PEM) to check a tls:// worker against")

@@ -28,12 +28,13 @@ log = logging.getLogger(__name__)
 
 
 class WorkerServer:
-    """Serves one :class:`~remotorch.worker.Worker` over TCP."""
+    """Serves one :class:`~remotorch.worker.Worker` over TCP (or TLS, or a Unix socket)."""
 
     def __init__(self, worker: Worker, host: str = "127.0.0.1", port: int = 7878,
                  token: str | None = None, *, max_frame_bytes: int = 1 << 38,
                  max_message_bytes: int | None = None, lease_s: float = 30.0,
-                 tls: ssl.SSLContext | None = None, message_timeout: float = 60.0) -> None:
+                 tls: ssl.SSLContext | None = None, message_timeout: float = 60.0,
+                 unix_path: str | None = None) -> None:
         self.worker = worker
         self.max_message_bytes = max_message_bytes
         if max_message_bytes is not None:  # no single frame may exceed the whole message either
@@ -43,13 +44,15 @@ class WorkerServer:
                               max_frame=max_frame_bytes, on_disconnect=self._disconnected,
                               max_header=min(64 << 20, max_message_bytes or 64 << 20),
                               protocol_error=lambda msg: m.encode(m.ErrorReply(ProtocolError.kind, msg)),
-                              tls=tls, message_timeout=message_timeout)
+                              tls=tls, message_timeout=message_timeout, unix_path=unix_path)
         self.address = self._tcp.address
-        self.scheme = "tls" if tls is not None else "tcp"
+        self.scheme = "unix" if unix_path is not None else "tls" if tls is not None else "tcp"
         self._reaper_stop = threading.Event()
 
     @property
     def url(self) -> str:
+        if self.scheme == "unix":
+            return f"unix://{self.address[0]}"
         return f"{self.scheme}://{self.address[0]}:{self.address[1]}"
 
     def serve_forever(self) -> None:

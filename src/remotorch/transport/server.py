@@ -1,4 +1,7 @@
-"""Server side of the TCP transport: accept, authenticate, hand messages to a handler.
+"""Server side of the stream transport: accept, authenticate, hand messages to a handler.
+
+It listens on TCP (``host:port``) or on a Unix socket (``unix_path``, for
+clients on the same host; the socket file is private to the user).
 
 Handshakes run in short-lived threads (so a peer that stalls before proving
 the token cannot hold anything up). Authenticated connections are then served
@@ -14,10 +17,12 @@ fastest, one at a time.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import selectors
 import socket
 import ssl
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,13 +37,13 @@ Handler = Callable[[int, bytes, list], tuple[bytes, Sequence]]
 
 
 class TcpServer:
-    """Serves a :data:`Handler` on host:port until :meth:`shutdown`."""
+    """Serves a :data:`Handler` on host:port (or a Unix socket) until :meth:`shutdown`."""
 
     def __init__(self, handler: Handler, host: str, port: int, token: str | None, *, protocol: int,
                  max_frame: int, max_header: int = 64 << 20, message_timeout: float = 60.0,
                  on_disconnect: Callable[[int], None] | None = None,
                  protocol_error: Callable[[str], bytes] | None = None,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, unix_path: str | None = None) -> None:
         self._handler = handler
         self._token = (token or "").encode()
         self._protocol = protocol
@@ -48,8 +53,15 @@ class TcpServer:
         self._on_disconnect = on_disconnect
         self._protocol_error = protocol_error
         self._tls = tls
-        self._sock = socket.create_server((host, port), backlog=128)
-        self.address = self._sock.getsockname()[:2]
+        self.unix_path = unix_path
+        if unix_path is not None:
+            if tls is not None:
+                raise ValueError("TLS is for TCP; a Unix socket is reachable only on this host")
+            self._sock = _unix_listener(unix_path)
+            self.address = (unix_path, -1)
+        else:
+            self._sock = socket.create_server((host, port), backlog=128)
+            self.address = self._sock.getsockname()[:2]
         self._closing = threading.Event()
         self._next_id = 0
         self._ready: queue.SimpleQueue = queue.SimpleQueue()  # authenticated (cid, channel)
@@ -77,7 +89,8 @@ class TcpServer:
 
     def _authenticate(self, cid: int, conn: socket.socket, peer) -> None:
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if conn.family != getattr(socket, "AF_UNIX", None):
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(30.0)
             if self._tls is not None:
                 conn = wrap_server(self._tls, conn)
@@ -213,3 +226,40 @@ class TcpServer:
                 action()
             except OSError:
                 pass
+        if self.unix_path is not None:
+            try:
+                os.unlink(self.unix_path)
+            except OSError:
+                pass
+
+
+def _unix_listener(path: str) -> socket.socket:
+    """A listening Unix socket at ``path``, readable and writable by this user only.
+
+    A socket file left by a worker that died is replaced; one that a live
+    worker still answers on is not (``OSError``).
+    """
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise OSError(f"{path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # nobody listens: a stale socket file
+        else:
+            raise OSError(f"a worker is already listening on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_mask = os.umask(0o177)  # the file is created by bind: owner read/write only
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(old_mask)
+    sock.listen(128)
+    return sock

@@ -1,4 +1,10 @@
-"""Client side of the TCP transport: one authenticated connection, opened lazily."""
+"""Client side of the stream transport: one authenticated connection, opened lazily.
+
+``tcp://host:port`` and ``tls://host:port`` reach a worker over TCP;
+``unix:///path/to/socket`` reaches one on the same host over a Unix socket
+(same framing and handshake, without the TCP stack: about half the latency
+of loopback TCP per round trip).
+"""
 
 from __future__ import annotations
 
@@ -17,10 +23,19 @@ DEFAULT_MAX_FRAME = 1 << 40
 
 
 def parse_url(url: str) -> tuple[str, int]:
-    """``tcp://host:port`` or ``tls://host:port`` → (host, port); raises ValueError for anything else."""
+    """``tcp://host:port`` or ``tls://host:port`` → (host, port); ``unix:///path`` → (path, -1).
+
+    Raises ValueError for anything else.
+    """
+    if url.startswith("unix://"):
+        path = url[len("unix://"):]
+        if not path.startswith("/") or not hasattr(socket, "AF_UNIX"):
+            raise ValueError(f"a Unix socket address must look like unix:///absolute/path, got {url!r}")
+        return path, -1
     parsed = urlparse(url)
     if parsed.scheme not in ("tcp", "tls") or not parsed.hostname or parsed.port is None:
-        raise ValueError(f"worker address must look like tcp://host:port or tls://host:port, got {url!r}")
+        raise ValueError(f"worker address must look like tcp://host:port, tls://host:port "
+                         f"or unix:///path, got {url!r}")
     return parsed.hostname, parsed.port
 
 
@@ -44,7 +59,7 @@ class TcpTransport(Transport):
                  connect_timeout: float = 5.0, timeout: float | None = 300.0,
                  tls: ssl.SSLContext | None = None, on_connect: OnConnect | None = None) -> None:
         self.url = url
-        self.host, self.port = parse_url(url)
+        self.host, self.port = parse_url(url)  # (path, -1) for unix://
         if tls is None and url.startswith("tls://"):
             tls = client_context()
         self._tls = tls
@@ -60,11 +75,10 @@ class TcpTransport(Transport):
 
     def _connect(self) -> FramedChannel:
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
+            sock = self._open()
         except OSError as exc:
             raise WorkerUnavailableError(f"no worker at {self.url}: {exc}") from exc
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
                 sock = wrap_client(self._tls, sock, self.host)
             key = client_handshake(sock, self._token, self._protocol)
@@ -93,6 +107,20 @@ class TcpTransport(Transport):
                 sock.close()
                 raise
         return channel
+
+    def _open(self) -> socket.socket:
+        if self.port == -1:  # unix:///path
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(self.connect_timeout)
+                sock.connect(self.host)
+            except OSError:
+                sock.close()
+                raise
+            return sock
+        sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
 
     def _greet(self, channel: FramedChannel, header: bytes) -> bytes:
         """One exchange on a connection still being set up (errors mapped as in :meth:`request`)."""
