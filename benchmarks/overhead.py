@@ -26,7 +26,10 @@ computed from figures of that same run:
    MLP then takes tens of milliseconds instead of about a hundred microseconds.
    The same rounds also time a second spawned worker on a Unix socket
    (``serve --unix``, what the embedded worker uses), against a raw Unix
-   socket round trip; that section is for information.
+   socket round trip; that section is for information. So do a third worker
+   and a session that busy-poll (``serve --spin-us``, ``Session(spin_us=)``)
+   instead of sleeping between messages: on a VM, waking a halted vCPU is
+   a large part of each round trip.
 4. Overhead ratio = (remote median - local median) / raw TCP median; target <= 1.5.
    For scale, a raw TCP round trip carrying the call's own tensor bytes (the
    98 KiB input there, the 1.25 KiB output back) is printed too: that much of
@@ -76,6 +79,7 @@ from remotorch import models
 OVERHEAD_TARGET = 1.5
 WIRE_SLACK_BYTES = 1024
 BULK_TARGET = 0.8
+SPIN_US = 2000  # the busy-polling window of the spinning worker and session
 MSG = b"x" * 64
 
 # A raw-socket echo server: each connection first says its message size and its
@@ -175,11 +179,12 @@ def python_child(source: str, *args: str) -> Child:
     return Child([sys.executable, "-c", source, *args], ready=lambda line: line.strip() or None)
 
 
-def worker_child(device: str, token: str, threads: int, unix_path: str | None = None) -> Child:
+def worker_child(device: str, token: str, threads: int, unix_path: str | None = None,
+                 spin_us: float = 0) -> Child:
     """A real ``remotorch serve`` on a free loopback port (or a Unix socket), ``threads`` intra-op threads."""
     prefix = "remotorch: serving on "
     listen = ["--unix", unix_path] if unix_path else ["--host", "127.0.0.1", "--port", "0"]
-    cmd = [sys.executable, "-m", "remotorch", "serve", *listen,
+    cmd = [sys.executable, "-m", "remotorch", "serve", *listen, "--spin-us", str(spin_us),
            "--token", token, "--device", device, "--name", "bench", "--exit-on-stdin-close"]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     return Child(cmd, ready=lambda line: line[len(prefix):].strip() if line.startswith(prefix) else None,
@@ -286,7 +291,7 @@ def capture_run_graph_call(session: remotorch.Session, compiled, x) -> tuple:
 
 # ------------------------------------------------------------------------ measurements
 def measure_latency(session, raw_port: int, zmq_port: int, quick: bool,
-                    unix_session=None, raw_unix: str | None = None) -> dict:
+                    unix_session=None, raw_unix: str | None = None, spin_session=None) -> dict:
     """Rows 1-3: raw TCP, pyzmq, remotorch echo, run_graph, MLP local vs remote (and over a Unix socket)."""
     torch.manual_seed(0)
     model = models.mlp().eval()
@@ -321,6 +326,11 @@ def measure_latency(session, raw_port: int, zmq_port: int, quick: bool,
                            "raw_unix_call_bytes": lambda: raw_u_call.roundtrip(x_bytes),
                            "unix_echo_64B": lambda: unix_session.echo([MSG]),
                            "mlp_remote_unix": lambda: on_unix(x)}
+            if spin_session is not None:
+                spinning = remotorch.compile(model, session=spin_session, fallback="raise")
+                torch.testing.assert_close(spinning(x), expected)
+                probes |= {"spin_echo_64B": lambda: spin_session.echo([MSG]),
+                           "mlp_remote_spin": lambda: spinning(x)}
             before = session.stats()
             rows = interleaved(probes, rounds=10 if quick else 40, per_round=50, warmup=50 if quick else 200)
             after = session.stats()
@@ -451,6 +461,16 @@ def print_latency(lat: dict) -> dict:
         print(f"    (remote - local) over unix:// = {extra_u:.1f} µs = {extra_u / raw:.2f}x the raw TCP "
               f"64 B round trip, {extra_u / raw_u:.2f}x the raw Unix socket one (for information; "
               f"the target is defined on TCP)")
+    if "mlp_remote_spin" in lat:
+        print(f"\n  Busy-polling both ends (serve --spin-us {SPIN_US:g}, Session(spin_us={SPIN_US:g})), "
+              f"TCP, same rounds:")
+        for key, label in (("spin_echo_64B", "remotorch session.echo 64 B, spinning"),
+                           ("mlp_remote_spin", "MLP remote, spinning")):
+            print(f"    {label:44s} {lat[key]['median_us']:10.1f} {lat[key]['p99_us']:10.1f}")
+        extra_s = lat["mlp_remote_spin"]["median_us"] - lat["mlp_local"]["median_us"]
+        out |= {"spin_overhead_us": extra_s, "spin_overhead_ratio": extra_s / raw}
+        print(f"    overhead ratio spinning (remote - local) / raw TCP = {extra_s:.1f} / {raw:.1f} = "
+              f"{extra_s / raw:.2f}  (target <= {OVERHEAD_TARGET})  {verdict(extra_s / raw <= OVERHEAD_TARGET)}")
     return out
 
 
@@ -531,8 +551,11 @@ def run(args: argparse.Namespace, children: list[Child], scratch: str) -> dict:
         if hasattr(socket, "AF_UNIX"):
             children.append(worker_child(args.device, token, threads, os.path.join(scratch, "worker.sock")))
             unix_url = children[-1].value
+        children.append(worker_child(args.device, token, threads, spin_us=SPIN_US))
+        spin_url = children[-1].value
     raw_port = int(raw_srv.value)
     unix_session = remotorch.Session(unix_url, token=token) if unix_url else None
+    spin_session = remotorch.Session(spin_url, token=token, spin_us=SPIN_US) if args.url is None else None
     with remotorch.Session(url, token=token) as session:
         info = session.health()
         print(f"remotorch overhead benchmark ({source_version()}): torch {torch.__version__}, "
@@ -540,9 +563,10 @@ def run(args: argparse.Namespace, children: list[Child], scratch: str) -> dict:
               f"{os.cpu_count()} CPUs, {torch.get_num_threads()} intra-op threads here; worker {url} "
               f"({f'spawned, {threads} threads' if args.url is None else 'given'}) on {info['device']}")
         latency = measure_latency(session, raw_port, int(zmq_srv.value), args.quick,
-                                  unix_session, raw_unix if unix_session else None)
-        if unix_session is not None:
-            unix_session.close()
+                                  unix_session, raw_unix if unix_session else None, spin_session)
+        for extra in (unix_session, spin_session):
+            if extra is not None:
+                extra.close()
         results = {"worker": {"url": url, "device": info["device"], "threads": threads},
                    "client_threads": torch.get_num_threads(), "latency": latency}
         results |= print_latency(latency)

@@ -12,9 +12,21 @@ class EnvConfig:
 
     url: str | None
     token: str | None
+    spin_us: float = 0.0
 
 
 def from_env() -> EnvConfig:
-    """``REMOTORCH_URL`` and ``REMOTORCH_TOKEN``, empty values counting as unset."""
+    """``REMOTORCH_URL``, ``REMOTORCH_TOKEN`` and ``REMOTORCH_SPIN_US``, empty values counting as unset.
+
+    A ``REMOTORCH_SPIN_US`` that is not a number >= 0 is a ``ValueError``
+    naming the variable.
+    """
+    spin = os.environ.get("REMOTORCH_SPIN_US") or "0"
+    try:
+        spin_us = float(spin)
+        if not spin_us >= 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"REMOTORCH_SPIN_US must be a number of microseconds >= 0, got {spin!r}") from None
     return EnvConfig(url=os.environ.get("REMOTORCH_URL") or None,
-                     token=os.environ.get("REMOTORCH_TOKEN") or None)
+                     token=os.environ.get("REMOTORCH_TOKEN") or None, spin_us=spin_us)

@@ -31,7 +31,7 @@ class EmbeddedWorker:
     """A worker process on this host, owned by this process."""
 
     def __init__(self, device: str = "auto", *, start_timeout: float = 120.0,
-                 transport: str | None = None) -> None:
+                 transport: str | None = None, spin_us: float = 0.0) -> None:
         self.token = secrets.token_hex(16)
         transport = transport or os.environ.get("REMOTORCH_EMBEDDED_TRANSPORT") or "unix"
         if transport not in ("unix", "tcp"):
@@ -50,6 +50,8 @@ class EmbeddedWorker:
                # the worker shares this machine's cores with the caller: take half, so
                # neither side's kernel threads spin on cores the other needs
                "--threads", str(max(1, (os.cpu_count() or 2) // 2))]
+        if spin_us:  # the session busy-polls for replies: the worker for requests, alike
+            cmd += ["--spin-us", f"{spin_us:g}"]
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=None, env=env, text=True)
         self._finalizer = weakref.finalize(self, _stop, self._proc, self._dir)

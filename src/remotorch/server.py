@@ -34,7 +34,7 @@ class WorkerServer:
                  token: str | None = None, *, max_frame_bytes: int = 1 << 38,
                  max_message_bytes: int | None = None, lease_s: float = 30.0,
                  tls: ssl.SSLContext | None = None, message_timeout: float = 60.0,
-                 unix_path: str | None = None) -> None:
+                 unix_path: str | None = None, spin_s: float = 0.0) -> None:
         self.worker = worker
         self.max_message_bytes = max_message_bytes
         if max_message_bytes is not None:  # no single frame may exceed the whole message either
@@ -44,7 +44,8 @@ class WorkerServer:
                               max_frame=max_frame_bytes, on_disconnect=self._disconnected,
                               max_header=min(64 << 20, max_message_bytes or 64 << 20),
                               protocol_error=lambda msg: m.encode(m.ErrorReply(ProtocolError.kind, msg)),
-                              tls=tls, message_timeout=message_timeout, unix_path=unix_path)
+                              tls=tls, message_timeout=message_timeout, unix_path=unix_path,
+                              spin_s=spin_s)
         self.address = self._tcp.address
         self.scheme = "unix" if unix_path is not None else "tls" if tls is not None else "tcp"
         self._reaper_stop = threading.Event()

@@ -53,13 +53,18 @@ class Session:
     worker, and profiling (:func:`remotorch.remote_profile`) uses all of
     them. ``tokens`` maps URLs to tokens where they differ from ``token``;
     ``prices`` maps worker names to $ per hour, overriding what workers report.
+
+    ``spin_us`` (default ``REMOTORCH_SPIN_US``, else 0) makes each call
+    busy-poll that many microseconds for its reply before it sleeps: lower
+    latency for calls that answer within the window, at the cost of a busy
+    core meanwhile (pair it with ``remotorch serve --spin-us``).
     """
 
     def __init__(self, url: str | Sequence[str] | None = None, *, token: str | None = None, device: str = "auto",
                  timeout: float | None = 300.0, connect_timeout: float = 5.0,
                  transport: Transport | None = None, retry_after: float = 1.0,
                  tokens: Mapping[str, str] | None = None, prices: Mapping[str, float] | None = None,
-                 tls_ca: str | None = None) -> None:
+                 tls_ca: str | None = None, spin_us: float | None = None) -> None:
         env = from_env()
         url, self._more_urls = split_urls(url)  # several workers: ordinary calls use the first
         self._tokens = dict(tokens or {})  # per-URL tokens, where workers differ
@@ -68,6 +73,9 @@ class Session:
         self.url = url or env.url
         self.session_id = secrets.token_urlsafe(24)  # 192 random bits; a capability on the worker
         self._tls_ca = tls_ca
+        if spin_us is not None and not spin_us >= 0:
+            raise ValueError(f"spin_us must be >= 0, got {spin_us!r}")
+        self._spin_s = (spin_us if spin_us is not None else env.spin_us) / 1e6
         self._lease_s: float | None = None
         self._last_request = time.monotonic()
         self._heartbeat_stop = threading.Event()
@@ -125,12 +133,12 @@ class Session:
             url, token = self.url, self._token
             if url is None:
                 from .embedded import EmbeddedWorker
-                self._embedded = EmbeddedWorker(self.device)
+                self._embedded = EmbeddedWorker(self.device, spin_us=self._spin_s * 1e6)
                 url, token = self._embedded.url, self._embedded.token
             self._transport = TcpTransport(url, token, protocol=m.PROTOCOL_VERSION,
                                            connect_timeout=self._connect_timeout, timeout=self._timeout,
                                            tls=client_context(self._tls_ca) if self._tls_ca else None,
-                                           on_connect=self._attach)
+                                           on_connect=self._attach, spin_s=self._spin_s)
         return self._transport
 
     # ------------------------------------------------------------------ the worker-side session
