@@ -259,3 +259,45 @@ def test_a_stalled_message_holds_up_nobody_and_is_dropped_after_the_message_time
             pass
         assert time.monotonic() - stalled_at >= 0.9
     assert s.health()["name"] == "limited"
+
+
+def test_a_reply_nobody_reads_holds_up_nobody_and_is_dropped_after_the_message_timeout():
+    """Writes never block the serving loop either: a 32 MiB reply its client does not read waits on
+    its own connection while others are served, and the connection is dropped once it took nothing
+    for the message timeout."""
+    import socket
+    import time
+
+    srv = spawn_server(name="writer", extra_args=("--message-timeout", "1"))
+    try:
+        with remotorch.Session(srv.url, token=TOKEN) as s:
+            assert s.health()["name"] == "writer"
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, never read
+            sock.settimeout(30)
+            sock.connect((srv.host, srv.port))
+            with sock:
+                key = framing.client_handshake(sock, TOKEN.encode(), m.PROTOCOL_VERSION)
+                send_key, _ = framing.direction_keys(key, "client")
+                size = 32 << 20
+                for part in framing.encode_message(send_key, 0, m.encode(m.Echo()), [bytes(size)]):
+                    sock.sendall(part)
+                asked_at = time.monotonic()
+                time.sleep(0.2)  # the worker has the request and is stuck writing the reply
+                for _ in range(5):
+                    assert s.health()["name"] == "writer"
+                    assert s.echo([b"ok"])[0].tobytes() == b"ok"
+                assert time.monotonic() - asked_at < 0.9  # all served inside the 1 s message timeout
+                time.sleep(1.5)  # nothing read for longer than the message timeout: dropped
+                got = 0
+                try:
+                    while chunk := sock.recv(1 << 20):
+                        got += len(chunk)
+                except ConnectionResetError:
+                    pass
+                assert got < size  # the connection ended before the reply was all sent
+            assert s.health()["name"] == "writer"
+            assert "a reply waited to be read" in srv.stderr_text()
+    finally:
+        srv.stop()
+    assert srv.proc.returncode is not None

@@ -141,30 +141,16 @@ class _Partial:
     got: int = 0  # bytes of it received
 
 
-def _send_waiting(sock: socket.socket, buffers: Sequence, timeout: float | None) -> int:
-    """Send every buffer on a non-blocking socket, waiting for room up to ``timeout`` seconds."""
-    views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
-    total = sum(v.nbytes for v in views)
-    deadline = None
-    while views:
-        try:
-            sent = sock.sendmsg(views[:_IOV_MAX])
-        except (BlockingIOError, InterruptedError):
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + (timeout if timeout is not None else 1e9)
-            if now >= deadline or not select.select([], [sock], [], deadline - now)[1]:
-                raise socket.timeout("the peer did not take the message in time")
-            continue
-        deadline = None
-        while sent and views:
-            if sent >= views[0].nbytes:
-                sent -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
-    return total
+def _streamed(key: bytes, seq: int, head: bytes, views: list):
+    """The pieces of a large message in wire order, tagging each frame piece as it is taken."""
+    tag = Poly1305(frames_key(key, seq))
+    yield head
+    for view in views:
+        for at in range(0, view.nbytes, _CHUNK):
+            piece = view[at:at + _CHUNK]
+            tag.update(piece)
+            yield piece
+    yield hmac.digest(key, head + tag.finalize(), "sha256")
 
 
 class FramedChannel:
@@ -190,46 +176,97 @@ class FramedChannel:
         self._start = 0
         self._end = 0
         self._partial: _Partial | None = None
+        self._out = None  # pieces of the message being sent (an iterator), or None
+        self._out_buf: list | None = None  # pieces taken from it and not yet written
 
     def send(self, header: bytes, frames: Sequence = ()) -> int:
-        """Send header + frames as one message; returns bytes written.
+        """Send header + frames as one message, waiting until it is written; returns its size.
 
-        A small message goes out as one buffer. A large one streams: the
-        buffer frames go in pieces of ``_CHUNK`` bytes, each added to the
-        Poly1305 tag just before it is written, and the MAC follows them.
+        On a non-blocking socket it waits for room up to ``send_timeout``.
+        A serving loop that must not wait uses :meth:`queue` and
+        :meth:`flush` instead.
         """
+        size = self.queue(header, frames)
+        if self.sock.gettimeout() != 0.0:
+            pieces, self._out = self._out, None
+            batch, batched = [], 0
+            for piece in pieces:
+                batch.append(piece)
+                batched += len(piece)
+                if batched >= _CHUNK:
+                    send_all(self.sock, batch)
+                    batch, batched = [], 0
+            if batch:
+                send_all(self.sock, batch)
+            return size
+        deadline = None if self.send_timeout is None else time.monotonic() + self.send_timeout
+        while not self.flush():
+            left = None if deadline is None else deadline - time.monotonic()
+            if (left is not None and left <= 0) or not select.select([], [self.sock], [], left)[1]:
+                self._out = self._out_buf = None
+                raise socket.timeout("the peer did not take the message in time")
+        return size
+
+    def queue(self, header: bytes, frames: Sequence = ()) -> int:
+        """Make header + frames the message to send next; returns its size on the wire.
+
+        Nothing is written yet: :meth:`flush` (or :meth:`send`) writes it.
+        A small message is one buffer. A large one streams: the buffer frames
+        go in pieces of ``_CHUNK`` bytes, each added to the Poly1305 tag just
+        before it is written (one pass over memory), and the MAC follows.
+        """
+        if self._out is not None:
+            raise RuntimeError("the previous message is not sent yet")
         key, seq = self._send_key, self._send_seq
         self._send_seq += 1
         views = [memoryview(f).cast("B") for f in frames]
         sizes = [v.nbytes for v in views]
         n = 1 + len(views)
         head = _FIXED.pack(MAGIC, seq, n) + struct.pack(f"<{n}Q", len(header), *sizes) + header
-        blocking = self.sock.gettimeout() != 0.0
         if sum(sizes) <= INLINE_MAC:
             body = b"".join([head, *views]) if views else head
             body += hmac.digest(key, body, "sha256")
-            if blocking:
-                self.sock.sendall(body)
-                return len(body)
-            return _send_waiting(self.sock, [body], self.send_timeout)
-        tag = Poly1305(frames_key(key, seq))
-        pending, size, total = [head], len(head), 0
-        for view in views:
-            for at in range(0, view.nbytes, _CHUNK):
-                piece = view[at:at + _CHUNK]
-                tag.update(piece)
-                pending.append(piece)
-                size += piece.nbytes
-                if size >= _CHUNK:
-                    total += self._write(pending, blocking)
-                    pending, size = [], 0
-        pending.append(hmac.digest(key, head + tag.finalize(), "sha256"))
-        return total + self._write(pending, blocking)
+            self._out = iter((body,))
+            return len(body)
+        self._out = _streamed(key, seq, head, views)
+        return len(head) + sum(sizes) + MAC_SIZE
 
-    def _write(self, buffers: list, blocking: bool) -> int:
-        if blocking:
-            return send_all(self.sock, buffers)
-        return _send_waiting(self.sock, buffers, self.send_timeout)
+    @property
+    def sending(self) -> bool:
+        """True while a queued message is not all written."""
+        return self._out is not None
+
+    def flush(self) -> bool:
+        """Write what the socket takes now of the queued message (non-blocking socket).
+
+        True when the whole message is written (or none was queued); False
+        when the socket is full and the rest waits for the next call.
+        """
+        while self._out is not None:
+            if not self._out_buf:
+                batch, batched = [], 0
+                for piece in self._out:
+                    batch.append(memoryview(piece).cast("B"))
+                    batched += len(piece)
+                    if batched >= _CHUNK:
+                        break
+                if not batch:
+                    self._out = None
+                    return True
+                self._out_buf = batch
+            try:
+                sent = self.sock.sendmsg(self._out_buf[:_IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                return False
+            views = self._out_buf
+            while sent and views:
+                if sent >= views[0].nbytes:
+                    sent -= views[0].nbytes
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+        return True
 
     @property
     def buffered(self) -> bool:

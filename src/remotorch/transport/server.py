@@ -9,7 +9,10 @@ by one selector loop on the thread that calls :meth:`TcpServer.serve_forever`
 (the worker's main thread): each request is read, handled and answered there,
 with no hand-off between threads on the hot path. Reads never block the loop
 (a message arriving in pieces is assembled across wake-ups), so a peer that
-stops in the middle of a message holds up nobody until it is dropped. PyTorch's CPU kernels also
+stops in the middle of a message holds up nobody until it is dropped. Nor do
+writes: a reply the peer does not take is left queued on its connection
+(the loop serves others and writes more when the socket has room), and a
+peer that takes nothing for ``message_timeout`` is dropped. PyTorch's CPU kernels also
 run markedly slower from secondary threads, so the graphs run where they are
 fastest, one at a time.
 """
@@ -128,12 +131,15 @@ class TcpServer:
                 timeout = None
                 if self._stalled:
                     timeout = max(0.0, min(self._stalled.values()) - time.monotonic())
-                for key, _ in self._wait(sel, timeout):
+                for key, mask in self._wait(sel, timeout):
                     if key.data is None:
                         self._wake_r.recv(4096)
                         self._adopt(sel)
                     elif key.data in self._channels:
-                        self._serve_one(sel, key.data)
+                        if self._channels[key.data].sending:
+                            self._write_more(sel, key.data)
+                        else:
+                            self._serve_one(sel, key.data)
                 self._drop_stalled(sel)
         finally:
             for cid in list(self._channels):
@@ -158,13 +164,30 @@ class TcpServer:
         return sel.select(timeout)
 
     def _drop_stalled(self, sel: selectors.BaseSelector) -> None:
-        """Close connections whose message started more than ``message_timeout`` ago and never ended."""
+        """Close connections stalled over ``message_timeout``: mid-message, or not taking a reply."""
         now = time.monotonic()
         for cid, deadline in list(self._stalled.items()):
             if deadline <= now and cid in self._channels:
-                log.warning("connection %d dropped: a message stalled for over %.0f s", cid,
-                            self._message_timeout)
+                what = "a reply waited to be read" if self._channels[cid].sending else "a message stalled"
+                log.warning("connection %d dropped: %s for over %.0f s", cid, what, self._message_timeout)
                 self._drop(sel, cid)
+
+    def _write_more(self, sel: selectors.BaseSelector, cid: int) -> None:
+        """Go on writing a reply the peer was slow to take; then serve what it sent meanwhile."""
+        channel = self._channels[cid]
+        try:
+            if not channel.flush():
+                # progress: the peer reads, if slowly; it gets message_timeout per stall, not per reply
+                self._stalled[cid] = time.monotonic() + self._message_timeout
+                return
+        except OSError as exc:
+            log.debug("connection %d closed while sending: %s", cid, exc)
+            self._drop(sel, cid)
+            return
+        self._stalled.pop(cid, None)
+        sel.modify(channel.sock, selectors.EVENT_READ, cid)
+        if channel.readable:
+            self._serve_one(sel, cid)
 
     def _adopt(self, sel: selectors.BaseSelector) -> None:
         while True:
@@ -202,7 +225,15 @@ class TcpServer:
                 del message
                 reply, reply_frames = self._handler(cid, header, frames)
                 del header, frames
-                channel.send(reply, reply_frames)
+                if channel.sock.gettimeout() != 0.0:  # TLS: written with the socket's timeout
+                    channel.send(reply, reply_frames)
+                else:
+                    channel.queue(reply, reply_frames)
+                    del reply_frames
+                    if not channel.flush():  # the peer is not reading: serve others meanwhile
+                        self._stalled[cid] = time.monotonic() + self._message_timeout
+                        sel.modify(channel.sock, selectors.EVENT_WRITE, cid)
+                        return
                 if not channel.readable:  # nothing more already here: back to the selector
                     return
         except AuthFailed as exc:
