@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import select
 import selectors
 import socket
 import ssl
@@ -142,9 +143,23 @@ class TcpServer:
                             self._serve_one(sel, key.data)
                 self._drop_stalled(sel)
         finally:
+            self._finish_writes()
             for cid in list(self._channels):
                 self._drop(sel, cid)
             sel.close()
+
+    def _finish_writes(self) -> None:
+        """On shutdown: write out the replies still queued (each peer gets ``message_timeout``)."""
+        for cid, channel in list(self._channels.items()):
+            deadline = time.monotonic() + self._message_timeout
+            try:
+                while not channel.flush():
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not select.select([], [channel.sock], [], left)[1]:
+                        log.warning("connection %d: reply not taken before shutdown", cid)
+                        break
+            except OSError as exc:
+                log.debug("connection %d closed while its reply was sent: %s", cid, exc)
 
     def _wait(self, sel: selectors.BaseSelector, timeout: float | None) -> list:
         """The selector's events; with ``spin_s``, polled without sleeping that long first.
