@@ -36,7 +36,7 @@ def run_demo(*, engine: str = "eager", device: str = "auto", repeats: int = 50) 
         ("graph break (b>0)", models.bar, (torch.randn(10), torch.rand(10) + 0.1)),
         ("graph break (b<0)", models.bar, (torch.randn(10), -torch.rand(10) - 0.1)),
     ]
-    print("starting the embedded worker (a real `remotorch serve` on 127.0.0.1)...", flush=True)
+    print("starting the embedded worker (a real `remotorch serve` process on this machine)...", flush=True)
     ok = True
     with Session(device=device) as session:
         info = session.health()

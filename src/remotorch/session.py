@@ -39,7 +39,9 @@ class Session:
     ``url`` is ``tcp://host:port`` (or ``tls://host:port``, checking the
     worker's certificate against the system CAs or ``tls_ca``); without it
     ``REMOTORCH_URL`` is used, and without that an embedded worker process is
-    started on 127.0.0.1 the first time the session needs a worker. Creating a
+    started on this machine (on a private Unix socket) the first time the
+    session needs a worker. ``unix:///path`` reaches a worker on this host
+    started with ``remotorch serve --unix /path``. Creating a
     session never contacts the worker, so a session for a worker that is down
     fails only when a call needs it (and then falls back or raises, as the
     call's policy says).
@@ -123,7 +125,7 @@ class Session:
 
     @property
     def embedded(self) -> bool:
-        """True when this session uses (or will start) its own loopback worker."""
+        """True when this session uses (or will start) its own embedded worker process."""
         return self.url is None
 
     def _get_transport(self) -> Transport:
