@@ -165,6 +165,34 @@ def test_message_size_limits(limited):
         transport.close()
 
 
+def _peak_rss(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_message_over_the_total_limit_is_refused_without_holding_it(limited):
+    """16 frames of 4 MiB each pass the per-frame bound (4 MiB) but total 64 MiB against 4 MiB:
+    the worker reads them through its read buffer and drops them (its peak memory does not grow
+    by the message), answers LimitExceeded, and the connection goes on."""
+    transport = TcpTransport(limited.url, TOKEN, protocol=m.PROTOCOL_VERSION, timeout=60)
+    try:
+        transport.request(m.encode(m.Echo()), [b"warm"])
+        peak = _peak_rss(limited.proc.pid)
+        frame = bytes(4 * MiB)
+        header, out = transport.request(m.encode(m.Echo()), [frame] * 16)
+        reply = m.decode(header)
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "limit", reply
+        assert "67108" in reply.message and "4194304" in reply.message
+        assert out == []
+        assert _peak_rss(limited.proc.pid) - peak < 16 * MiB
+        header, out = transport.request(m.encode(m.Echo()), [b"still here"])
+        assert bytes(out[0]) == b"still here"
+    finally:
+        transport.close()
+
+
 def test_tensor_and_graph_size_limits(limited, sessions):
     s = sessions()
     with pytest.raises(errors.LimitExceededError, match="tensor of"):

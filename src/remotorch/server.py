@@ -45,7 +45,8 @@ class WorkerServer:
                               max_header=min(64 << 20, max_message_bytes or 64 << 20),
                               protocol_error=lambda msg: m.encode(m.ErrorReply(ProtocolError.kind, msg)),
                               tls=tls, message_timeout=message_timeout, unix_path=unix_path,
-                              spin_s=spin_s)
+                              spin_s=spin_s, max_message=max_message_bytes,
+                              limit_error=lambda msg: m.encode(m.ErrorReply(LimitExceededError.kind, msg)))
         self.address = self._tcp.address
         self.scheme = "unix" if unix_path is not None else "tls" if tls is not None else "tcp"
         self._reaper_stop = threading.Event()

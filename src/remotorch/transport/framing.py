@@ -60,6 +60,14 @@ class AuthFailed(FramingError):
     """The challenge–response on the token failed, or a message's MAC or tag did."""
 
 
+class MessageTooLarge(Exception):
+    """A whole, authentic message over the receiver's total size limit, read and discarded.
+
+    Not a framing error: the stream is still in step, so the receiver can
+    answer it and go on.
+    """
+
+
 def _mac(key: bytes, *parts) -> bytes:
     return hmac.digest(key, b"".join(parts), "sha256")
 
@@ -139,6 +147,7 @@ class _Partial:
     tag: Poly1305  # the frames' tag so far, updated as each piece arrives
     index: int = 0  # frame being filled
     got: int = 0  # bytes of it received
+    discard: int = 0  # an over-limit message: frame bytes still to read, tag and drop
 
 
 def _streamed(key: bytes, seq: int, head: bytes, views: list):
@@ -163,7 +172,7 @@ class FramedChannel:
     """
 
     def __init__(self, sock: socket.socket, key: bytes, *, role: str, max_frame: int, max_header: int,
-                 send_timeout: float | None = None) -> None:
+                 send_timeout: float | None = None, max_message: int | None = None) -> None:
         self.sock = sock
         self.send_timeout = send_timeout  # for a non-blocking socket: how long a send may wait
         self._send_key, self._recv_key = direction_keys(key, role)
@@ -171,6 +180,9 @@ class FramedChannel:
         self._recv_seq = 0
         self.max_frame = max_frame
         self.max_header = max_header
+        # A message whose prefix announces more than this in all is read into the
+        # read buffer and dropped (nothing allocated for it), then refused.
+        self.max_message = max_message
         self._buf = bytearray(_READ_BUFFER)
         self._view = memoryview(self._buf)
         self._start = 0
@@ -355,7 +367,9 @@ class FramedChannel:
             if lengths[0] > self.max_header or any(x > self.max_frame for x in lengths[1:]):
                 raise FramingError(f"message frame over the size limit ({max(lengths)} bytes)")
             signed = head + lengths[0]
-            if sum(lengths[1:]) <= INLINE_MAC:  # the whole message sits in the read buffer
+            body = sum(lengths[1:])
+            over = self.max_message is not None and lengths[0] + body > self.max_message
+            if body <= INLINE_MAC and not over:  # the whole message sits in the read buffer
                 total = signed + sum(lengths[1:])
                 self._fill(total + MAC_SIZE)
                 s, view = self._start, self._view
@@ -369,11 +383,19 @@ class FramedChannel:
                 return header, frames, total + MAC_SIZE
             self._fill(signed)
             part = _Partial(seq, head, bytes(self._view[self._start:self._start + signed]),
-                            [np.empty(k, dtype=np.uint8) for k in lengths[1:]],
-                            Poly1305(frames_key(self._recv_key, seq)))
+                            [] if over else [np.empty(k, dtype=np.uint8) for k in lengths[1:]],
+                            Poly1305(frames_key(self._recv_key, seq)), discard=body if over else 0)
             self._start += signed
             self._partial = part
         tag = part.tag
+        while part.discard:  # over the limit: through the read buffer, tagged, dropped
+            have = min(part.discard, self._end - self._start)
+            if have:
+                tag.update(self._view[self._start:self._start + have])
+                self._start += have
+                part.discard -= have
+            else:
+                self._fill(min(part.discard, _CHUNK))
         while part.index < len(part.frames):  # large: each frame into its own buffer
             buf = part.frames[part.index]
             n = buf.nbytes
@@ -400,7 +422,10 @@ class FramedChannel:
         self._start += MAC_SIZE
         self._partial = None
         self._verify(mac, part.signed + tag.finalize(), part.seq)
-        size = len(part.signed) + sum(f.nbytes for f in part.frames) + MAC_SIZE
+        lengths = struct.unpack_from(f"<{_FIXED.unpack_from(part.signed)[2]}Q", part.signed, _FIXED.size)
+        size = len(part.signed) + sum(lengths[1:]) + MAC_SIZE
+        if self.max_message is not None and sum(lengths) > self.max_message:
+            raise MessageTooLarge(f"message of {sum(lengths)} bytes is over the limit of {self.max_message}")
         return part.signed[part.head:], part.frames, size
 
     def _verify(self, mac, signed, seq: int) -> None:

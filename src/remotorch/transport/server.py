@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from .framing import AuthFailed, FramedChannel, FramingError, server_handshake
+from .framing import AuthFailed, FramedChannel, FramingError, MessageTooLarge, server_handshake
 from .tls import wrap_server
 
 log = logging.getLogger(__name__)
@@ -48,13 +48,16 @@ class TcpServer:
                  on_disconnect: Callable[[int], None] | None = None,
                  protocol_error: Callable[[str], bytes] | None = None,
                  tls: ssl.SSLContext | None = None, unix_path: str | None = None,
-                 spin_s: float = 0.0) -> None:
+                 spin_s: float = 0.0, max_message: int | None = None,
+                 limit_error: Callable[[str], bytes] | None = None) -> None:
         self._handler = handler
         self._spin_s = max(0.0, spin_s)  # busy-poll this long for the next message before sleeping
         self._token = (token or "").encode()
         self._protocol = protocol
         self._max_frame = max_frame
         self._max_header = max_header
+        self._max_message = max_message  # announced totals above it are read, dropped and refused
+        self._limit_error = limit_error or protocol_error
         self._message_timeout = message_timeout
         self._on_disconnect = on_disconnect
         self._protocol_error = protocol_error
@@ -114,7 +117,7 @@ class TcpServer:
         else:
             conn.settimeout(self._message_timeout)  # TLS: the channel switches to non-blocking per read
         self._ready.put((cid, FramedChannel(conn, key, role="server", max_frame=self._max_frame,
-                                            max_header=self._max_header,
+                                            max_header=self._max_header, max_message=self._max_message,
                                             send_timeout=self._message_timeout)))
         try:
             self._wake_w.send(b"\x00")
@@ -229,6 +232,11 @@ class TcpServer:
                     if self._protocol_error and not isinstance(exc, AuthFailed):
                         channel.send(self._protocol_error(str(exc)))
                     raise
+                except MessageTooLarge as exc:  # read and dropped whole: answer it, keep serving
+                    if self._limit_error is None:
+                        raise
+                    message = (None, None, 0)
+                    reply, reply_frames = self._limit_error(str(exc)), []
                 if message is None:
                     if channel.pending:
                         self._stalled.setdefault(cid, time.monotonic() + self._message_timeout)
@@ -238,7 +246,8 @@ class TcpServer:
                 self._stalled.pop(cid, None)
                 header, frames, _ = message
                 del message
-                reply, reply_frames = self._handler(cid, header, frames)
+                if header is not None:
+                    reply, reply_frames = self._handler(cid, header, frames)
                 del header, frames
                 if channel.sock.gettimeout() != 0.0:  # TLS: written with the socket's timeout
                     channel.send(reply, reply_frames)
@@ -253,7 +262,7 @@ class TcpServer:
                     return
         except AuthFailed as exc:
             log.warning("connection %d dropped: %s", cid, exc)
-        except (FramingError, ConnectionError, OSError) as exc:
+        except (FramingError, MessageTooLarge, ConnectionError, OSError) as exc:
             log.debug("connection %d closed: %s", cid, exc)
         except MemoryError:  # a message too large to hold: drop its connection, keep serving
             log.warning("connection %d dropped: no memory to receive its message", cid)
