@@ -74,6 +74,20 @@ def test_tls_hides_the_bytes_plain_tcp_shows_them(tls_server, server, certs):
     assert MARKER in seen
 
 
+def test_tls_carries_large_frames_both_ways(tls_server, certs):
+    """Frames over the inline size stream in pieces with their tag, through TLS too."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    with remotorch.Session(tls_server.url, token=TOKEN, tls_ca=certs["worker"][0]) as s:
+        for size in (20 << 10, 3 << 20):
+            payload = rng.integers(0, 256, size, dtype=np.uint8)
+            out = s.echo([payload, payload[: size // 3]])
+            assert np.array_equal(np.asarray(out[0]), payload)
+            assert np.array_equal(np.asarray(out[1]), payload[: size // 3])
+        assert s.health()["name"] == "tls"
+
+
 def test_untrusted_certificate_is_an_authentication_error(tls_server, certs):
     with remotorch.Session(tls_server.url, token=TOKEN, tls_ca=certs["other"][0]) as s:
         with pytest.raises(errors.AuthenticationError, match="certificate"):
