@@ -29,7 +29,7 @@ def _max_diff(a, b) -> float:
 def run_demo(*, engine: str = "eager", device: str = "auto", repeats: int = 50) -> int:
     """Run the examples; returns a process exit code (0 when every result matches)."""
     torch.manual_seed(0)
-    cases = [
+    cases = [  # .eval() is nn.Module's (inference mode), client side; nothing is evaluated as Python
         ("mlp", models.mlp().eval(), (torch.randn(32, 784),)),
         ("cnn", models.SmallCNN().eval(), (torch.randn(8, 3, 32, 32),)),
         ("transformer block", models.TransformerBlock().eval(), (torch.randn(4, 16, 64),)),

@@ -125,15 +125,35 @@ def send_all(sock: socket.socket, buffers: Sequence) -> int:
     views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
     total = sum(v.nbytes for v in views)
     while views:
-        sent = sock.sendmsg(views[:_IOV_MAX])
-        while sent and views:
-            if sent >= views[0].nbytes:
-                sent -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
+        _consume(views, sock.sendmsg(views[:_IOV_MAX]))
     return total
+
+
+def _consume(views: list, sent: int) -> None:
+    """Drop the first ``sent`` bytes from a list of memoryviews (what a partial ``sendmsg`` wrote)."""
+    while sent and views:
+        if sent >= views[0].nbytes:
+            sent -= views[0].nbytes
+            views.pop(0)
+        else:
+            views[0] = views[0][sent:]
+            sent = 0
+
+
+def _batches(pieces):
+    """Pieces of a message grouped into lists of memoryviews of about ``_CHUNK`` bytes (one ``sendmsg`` each)."""
+    batch, batched = [], 0
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        if not view.nbytes:
+            continue
+        batch.append(view)
+        batched += view.nbytes
+        if batched >= _CHUNK:
+            yield batch
+            batch, batched = [], 0
+    if batch:
+        yield batch
 
 
 @dataclass
@@ -188,7 +208,7 @@ class FramedChannel:
         self._start = 0
         self._end = 0
         self._partial: _Partial | None = None
-        self._out = None  # pieces of the message being sent (an iterator), or None
+        self._out = None  # batches of the message being sent (an iterator), or None
         self._out_buf: list | None = None  # pieces taken from it and not yet written
 
     def send(self, header: bytes, frames: Sequence = ()) -> int:
@@ -200,15 +220,8 @@ class FramedChannel:
         """
         size = self.queue(header, frames)
         if self.sock.gettimeout() != 0.0:
-            pieces, self._out = self._out, None
-            batch, batched = [], 0
-            for piece in pieces:
-                batch.append(piece)
-                batched += len(piece)
-                if batched >= _CHUNK:
-                    send_all(self.sock, batch)
-                    batch, batched = [], 0
-            if batch:
+            batches, self._out = self._out, None
+            for batch in batches:
                 send_all(self.sock, batch)
             return size
         deadline = None if self.send_timeout is None else time.monotonic() + self.send_timeout
@@ -238,9 +251,9 @@ class FramedChannel:
         if sum(sizes) <= INLINE_MAC:
             body = b"".join([head, *views]) if views else head
             body += hmac.digest(key, body, "sha256")
-            self._out = iter((body,))
+            self._out = _batches((body,))
             return len(body)
-        self._out = _streamed(key, seq, head, views)
+        self._out = _batches(_streamed(key, seq, head, views))
         return len(head) + sum(sizes) + MAC_SIZE
 
     @property
@@ -256,28 +269,15 @@ class FramedChannel:
         """
         while self._out is not None:
             if not self._out_buf:
-                batch, batched = [], 0
-                for piece in self._out:
-                    batch.append(memoryview(piece).cast("B"))
-                    batched += len(piece)
-                    if batched >= _CHUNK:
-                        break
-                if not batch:
+                self._out_buf = next(self._out, None)
+                if self._out_buf is None:
                     self._out = None
                     return True
-                self._out_buf = batch
             try:
                 sent = self.sock.sendmsg(self._out_buf[:_IOV_MAX])
             except (BlockingIOError, InterruptedError):
                 return False
-            views = self._out_buf
-            while sent and views:
-                if sent >= views[0].nbytes:
-                    sent -= views[0].nbytes
-                    views.pop(0)
-                else:
-                    views[0] = views[0][sent:]
-                    sent = 0
+            _consume(self._out_buf, sent)
         return True
 
     @property
