@@ -25,7 +25,7 @@ from collections import Counter
 import torch
 
 import remotorch
-from remotorch import fuzz
+from remotorch.devtools import fuzz
 from remotorch.codec import messages as m
 from remotorch.transport import framing
 

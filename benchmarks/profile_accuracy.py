@@ -38,12 +38,12 @@ import time
 
 import torch
 
-from remotorch.capture.remote import RemoteGraph, output_devices
+from remotorch.capture.graph import RemoteGraph, output_devices
 from remotorch.codec.graph import decode_graph, encode_graph
 from remotorch.codec.tensors import tensor_from_wire
-from remotorch.embedded import EmbeddedWorker
+from remotorch.client.embedded import EmbeddedWorker
 from remotorch.worker import engines
-from remotorch.workers import WorkerLink
+from remotorch.client.pool import WorkerLink
 
 CHAIN = 4
 

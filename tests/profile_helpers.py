@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from remotorch.capture.remote import RemoteGraph, output_devices
+from remotorch.capture.graph import RemoteGraph, output_devices
 from remotorch.codec.graph import encode_graph
 
 

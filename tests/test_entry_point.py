@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import remotorch
-import remotorch.session
+import remotorch.client.session
 
 from conftest import TOKEN, clean_env
 
@@ -66,7 +66,7 @@ def test_string_backend_with_options_in_process(session):
 def test_default_session_reads_the_environment(server, monkeypatch):
     monkeypatch.setenv("REMOTORCH_URL", server.url)
     monkeypatch.setenv("REMOTORCH_TOKEN", TOKEN)
-    monkeypatch.setattr(remotorch.session, "_default", None)
+    monkeypatch.setattr(remotorch.client.session, "_default", None)
     session = remotorch.default_session()
     try:
         assert session.url == server.url

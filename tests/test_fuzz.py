@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import remotorch
-from remotorch import errors, fuzz
+from remotorch import errors
+from remotorch.devtools import fuzz
 from remotorch.codec import messages as m
 from remotorch.codec.graph import decode_graph
 from remotorch.codec.tensors import tensor_from_wire

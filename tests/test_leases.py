@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from remotorch.leases import SESSION_ID, LeaseTable
+from remotorch.worker.leases import SESSION_ID, LeaseTable
 from remotorch.worker.store import SharedStore
 
 

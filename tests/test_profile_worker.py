@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from remotorch import errors
-from remotorch.workers import WorkerLink
+from remotorch.client.pool import WorkerLink
 
 from conftest import TOKEN, clean_env
 from profile_helpers import capture_graph

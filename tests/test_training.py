@@ -23,7 +23,7 @@ from remotorch.codec.tensors import tensor_to_wire
 from remotorch.errors import (ForeignParameterError, InvalidRequestError, MissingObjectsError,
                               WorkerError)
 from remotorch.optim import RemoteOptimizer
-from remotorch.train_client import training_client
+from remotorch.training.client import training_client
 
 TOL = dict(atol=1e-6, rtol=1e-5)
 SLACK = 2048  # bytes of headers a steady-state step may add to inputs, labels and loss

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 import remotorch
 from remotorch import models
 from remotorch.optim import RemoteOptimizer
-from remotorch.train_client import training_client
+from remotorch.training.client import training_client
 
 from conftest import TOKEN, spawn_server
 

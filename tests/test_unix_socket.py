@@ -19,8 +19,8 @@ import torch
 
 import remotorch
 from remotorch import errors, models
-from remotorch.embedded import EmbeddedWorker
-from remotorch.transport.tcp import parse_url
+from remotorch.client.embedded import EmbeddedWorker
+from remotorch.transport.client import parse_url
 
 from conftest import TOKEN, clean_env, spawn_server, wait_until
 

@@ -14,10 +14,11 @@ from . import errors
 from . import optim  # RemoteOptimizer: torch.optim on the worker
 from .capture.backend import compile, remotorch_backend
 from .profile import accelerate, explain, remote_profile
-from .session import Session, default_session
+from .client.session import Session, default_session
+from .devtools import models  # example models (``from remotorch import models``)
 
-__all__ = ["Session", "accelerate", "compile", "default_session", "errors", "explain", "remote_profile",
-           "remotorch_backend"]
+__all__ = ["Session", "accelerate", "compile", "default_session", "errors", "explain", "models", "optim",
+           "remote_profile", "remotorch_backend"]
 __version__ = "0.1.0"
 
 

@@ -54,9 +54,9 @@ def _tls(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import WorkerServer
+    from .worker.server import WorkerServer
     from .worker import Worker
-    from .embedded import READY_PREFIX
+    from .client.embedded import READY_PREFIX
 
     token = args.token or os.environ.get("REMOTORCH_TOKEN") or None
     if args.unix and args.tls_cert:
@@ -110,7 +110,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_health(args: argparse.Namespace) -> int:
     from .errors import RemoteError
-    from .session import Session
+    from .client.session import Session
 
     with Session(args.url, token=args.token, connect_timeout=args.timeout, timeout=args.timeout,
                  retry_after=0.0, tls_ca=args.tls_ca) as session:
@@ -128,7 +128,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 def cmd_backends(args: argparse.Namespace) -> int:
     from .errors import RemoteError
-    from .session import Session
+    from .client.session import Session
 
     urls = args.urls or None  # none: REMOTORCH_URL, else the embedded worker
     with Session(urls, token=args.token, connect_timeout=args.timeout, retry_after=0.0) as session:
@@ -161,7 +161,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .devtools.demo import run_demo
 
     return run_demo(engine=args.engine, device=args.device, repeats=args.repeats)
 

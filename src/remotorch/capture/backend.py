@@ -14,7 +14,7 @@ import functools
 import torch
 
 from ..errors import UnsupportedGraphError
-from .remote import FALLBACKS, RemoteGraph, output_devices
+from .graph import FALLBACKS, RemoteGraph, output_devices
 
 
 def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
@@ -67,7 +67,7 @@ def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: 
                   fallback: str, static: bool, kind: str = "inference") -> RemoteGraph:
     """aot_autograd compiler hook: wrap one aten graph for remote execution."""
     from ..codec.graph import encode_graph
-    from ..session import default_session
+    from ..client.session import default_session
 
     def get_session():
         return session if session is not None else default_session()

@@ -28,9 +28,9 @@ from .context import activate_profiler, deactivate_profiler
 from .records import BackendRun, CallRecord, GraphCall
 
 if TYPE_CHECKING:
-    from ..capture.remote import RemoteGraph
-    from ..session import Session
-    from ..workers import WorkerLink
+    from ..capture.graph import RemoteGraph
+    from ..client.session import Session
+    from ..client.pool import WorkerLink
     from .report import Report
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class Profiler:
 
     # ------------------------------------------------------------------ lifetime
     def __enter__(self) -> Profiler:
-        from ..session import default_session
+        from ..client.session import default_session
 
         if self._entered:
             raise RuntimeError("a profiler is used for one with-block; call remote_profile() again")

@@ -1,6 +1,6 @@
 """Moving framed messages between a session and a worker (knows nothing of graphs)."""
 
 from .base import Transport
-from .tcp import TcpTransport
+from .client import TcpTransport
 
 __all__ = ["Transport", "TcpTransport"]

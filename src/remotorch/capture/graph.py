@@ -22,8 +22,8 @@ import torch
 
 from ..codec.graph import GraphPayload
 from ..errors import RemoteError, RemoteFallbackWarning
-from ..handles import handle_of
-from ..train_client import has_slots, keeps_state, training_client
+from ..training.handles import handle_of
+from ..training.client import has_slots, keeps_state, training_client
 
 log = logging.getLogger(__name__)
 

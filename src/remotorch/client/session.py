@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import errors
-from .codec import messages as m
-from .codec.tensors import content_id, tensor_to_wire
-from .config import from_env
-from .transport import TcpTransport, Transport
-from .transport.tls import client_context
-from .workers import WorkerLink, name_links, parse_reply, split_urls, unpack_outputs
+from .. import errors
+from ..codec import messages as m
+from ..codec.tensors import content_id, tensor_to_wire
+from ..config import from_env
+from ..transport import TcpTransport, Transport
+from ..transport.tls import client_context
+from .pool import WorkerLink, name_links, parse_reply, split_urls, unpack_outputs
 
 if TYPE_CHECKING:
-    from .capture.remote import RemoteGraph
+    from ..capture.graph import RemoteGraph
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class Session:
         optimizer manages (they are in ``p.grad``). Returns how many tensors
         were copied.
         """
-        from .train_client import training_client
+        from ..training.client import training_client
         return training_client(self).pull(module, grads)
 
     def flush_releases(self) -> None:
@@ -217,7 +217,7 @@ class Session:
         Normally that news rides on the next training request, at no cost of
         its own; call this before measuring the worker's memory.
         """
-        from .train_client import training_client
+        from ..training.client import training_client
         training_client(self).flush()
 
     # ------------------------------------------------------------ several workers

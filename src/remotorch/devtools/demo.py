@@ -8,8 +8,8 @@ import time
 import torch
 
 from . import models
-from .capture.backend import compile as remote_compile
-from .session import Session
+from ..capture.backend import compile as remote_compile
+from ..client.session import Session
 
 
 def _time_ms(fn, args, repeats: int) -> float:

@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import errors
-from .codec import messages as m
-from .codec.tensors import content_id, tensor_to_wire
-from .codec.values import arg_to_value
-from .transport import TcpTransport
+from .. import errors
+from ..codec import messages as m
+from ..codec.tensors import content_id, tensor_to_wire
+from ..codec.values import arg_to_value
+from ..transport import TcpTransport
 
 if TYPE_CHECKING:
-    from .capture.remote import RemoteGraph
+    from ..capture.graph import RemoteGraph
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,13 @@ import traceback
 
 import msgspec
 
-from .codec import messages as m
-from .codec.values import values_to_args
-from .errors import (InvalidRequestError, LimitExceededError, ProtocolError, RemoteError,
+from ..codec import messages as m
+from ..codec.values import values_to_args
+from ..errors import (InvalidRequestError, LimitExceededError, ProtocolError, RemoteError,
                      RemoteOutOfMemoryError)
 from .leases import SESSION_ID, LeaseTable
-from .train_server import serve_training
-from .transport.server import TcpServer
+from .service_training import serve_training
+from ..transport.listener import TcpServer
 from .worker import Worker
 
 log = logging.getLogger(__name__)

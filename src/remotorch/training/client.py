@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
-from . import errors
-from .codec import messages as m
-from .codec.tensors import tensor_from_wire, tensor_to_wire
-from .codec.values import arg_to_value
+from .. import errors
+from ..codec import messages as m
+from ..codec.tensors import tensor_from_wire, tensor_to_wire
+from ..codec.values import arg_to_value
 from .handles import ForwardCall, HandleTable, call_of, handle_of
 from .params import ParamSlots, Slot, owner_of
 
 if TYPE_CHECKING:
-    from .capture.remote import RemoteGraph
-    from .session import Session
+    from ..capture.graph import RemoteGraph
+    from ..client.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def keeps_state(session: object) -> bool:
     Other objects stand where a session would (a profiler runs graphs on
     several workers); their graphs run as plain calls.
     """
-    from .session import Session
+    from ..client.session import Session
     return isinstance(session, Session)
 
 

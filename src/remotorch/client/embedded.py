@@ -22,7 +22,7 @@ import tempfile
 import threading
 import weakref
 
-from .errors import WorkerUnavailableError
+from ..errors import WorkerUnavailableError
 
 READY_PREFIX = "remotorch: serving on "
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from .codec import messages as m
-from .codec.tensors import tensor_to_wire
-from .codec.values import value_to_arg
-from .errors import InvalidRequestError
+from ..codec import messages as m
+from ..codec.tensors import tensor_to_wire
+from ..codec.values import value_to_arg
+from ..errors import InvalidRequestError
 from .worker import Worker
 
 

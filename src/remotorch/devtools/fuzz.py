@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import msgspec
 
-from .codec import messages as m
+from ..codec import messages as m
 
 _TYPES = ["health", "put_graph", "put_tensors", "run", "echo", "attach", "heartbeat", "detach",
           "ok", "error", "run_reply", "health_reply", "nope", ""]
@@ -170,7 +170,7 @@ def framing_garbage(rng: random.Random, seq: int) -> bytes:
     """Bytes that break the framing after a successful handshake (the worker closes the connection)."""
     import struct
 
-    from .transport.framing import MAGIC
+    from ..transport.framing import MAGIC
 
     style = rng.randrange(5)
     if style == 0:

@@ -1,0 +1,1 @@
+"""Training on the worker, client side: activation handles, parameter slots, optimizers."""
