@@ -49,15 +49,16 @@ class Models:
         with torch.no_grad():  # dynamo traces and captures here, once
             for (net, shape), compiled in zip(self.nets, self.compiled):
                 compiled(torch.randn(*shape))
-        transport = self.session._transport  # the parent's own session ends; children open theirs
-        transport.request(m.encode(m.Detach()))
-        transport.close()
+        conn = self.session.connection  # the parent's own session ends; children open theirs
+        conn.transport.request(m.encode(m.Detach()))
+        conn.drop()
 
 
 def client(shared: Models, seed: int, calls: int, pipe) -> None:
     """One forked client: own weights, own connection, every output checked."""
     session = shared.session  # forked: give it an identity of its own on the worker
-    session.session_id, session._lease_s = secrets.token_urlsafe(24), None
+    conn = session.connection
+    conn.session_id, conn.lease_s = secrets.token_urlsafe(24), None
     g = torch.Generator().manual_seed(seed)
     cases = []
     with torch.no_grad():

@@ -69,7 +69,7 @@ def capture(n: int) -> tuple[RemoteGraph, list]:
     with torch.no_grad():
         torch.compile(chain, backend=aot_autograd(fw_compiler=keep, inference_compiler=keep))(x, w)
     gm = found[0]
-    graph = RemoteGraph(encode_graph(gm), session_getter=lambda: None, engine="eager", fallback="raise",
+    graph = RemoteGraph(encode_graph(gm), runner=lambda: None, engine="eager", fallback="raise",
                         resident=[], output_devices=output_devices(gm), local=gm.forward)
     return graph, [x, w]
 

@@ -31,6 +31,6 @@ def capture_graph(fn, *args, dynamic: bool = False) -> tuple[RemoteGraph, list]:
     with torch.no_grad():
         torch.compile(fn, backend=backend, dynamic=dynamic)(*args)
     gm = found[0]
-    graph = RemoteGraph(encode_graph(gm), session_getter=lambda: None, engine="eager", fallback="raise",
+    graph = RemoteGraph(encode_graph(gm), runner=lambda: None, engine="eager", fallback="raise",
                         resident=[], output_devices=output_devices(gm), local=gm.forward)
     return graph, seen[0]

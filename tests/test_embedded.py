@@ -25,7 +25,7 @@ def test_session_without_url_runs_on_an_embedded_worker(monkeypatch):
             assert torch.equal(compiled(x), model(x))
         assert session.stats()["remote_calls"] == 1
         assert session.health()["name"] == "local"
-        worker = session._embedded
+        worker = session.embedded_worker
         assert worker is not None and worker.alive()
         assert worker.url.startswith("unix:///") and worker.transport == "unix"
         pid = worker.pid
@@ -35,4 +35,4 @@ def test_session_without_url_runs_on_an_embedded_worker(monkeypatch):
     assert not worker.alive()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
-    assert session._embedded is None
+    assert session.embedded_worker is None

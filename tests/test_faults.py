@@ -35,7 +35,7 @@ from remotorch.codec.tensors import content_id, tensor_to_wire
 s = remotorch.Session(sys.argv[1], token=sys.argv[2])
 t = torch.randn(1 << 19)
 meta, buf = tensor_to_wire(t, 0)
-s._request(m.PutTensors([content_id(meta, buf)], [meta]), [buf])
+s.connection.request(m.PutTensors([content_id(meta, buf)], [meta]), [buf])
 print("ready", flush=True)
 time.sleep(600)
 """
@@ -195,7 +195,7 @@ def test_reconnect_within_the_lease_keeps_the_uploads(leased, observer):
         with torch.no_grad():
             assert torch.equal(compiled(x), model(x))
             uploaded = session.stats()["tensors_uploaded"]
-            session._transport.close()  # the connection drops
+            session.connection.drop()  # the connection drops
             assert torch.equal(compiled(x), model(x))  # a new connection, the same session
             assert session.stats()["tensors_uploaded"] == uploaded
             assert session.stats()["graphs_uploaded"] == 1
@@ -214,9 +214,9 @@ def test_a_session_past_its_lease_starts_empty_and_re_uploads(leased, observer):
         x = torch.randn(2, 8)
         with torch.no_grad():
             first = compiled(x)
-            session._heartbeat_stop.set()  # this client stops its heartbeats (the thread ends)
+            session.connection.stop_heartbeats()  # this client stops its heartbeats (the thread ends)
             time.sleep(0.2)
-            session._transport.close()
+            session.connection.drop()
             assert wait_until(lambda: observer.health()["resident_bytes"] == 0, timeout=LEASE * 10)
             assert torch.equal(compiled(x), first)  # Attach says "new": everything goes up again
         assert session.stats()["tensors_uploaded"] == 4
@@ -284,7 +284,7 @@ def test_training_state_survives_a_dropped_connection(leased):
         reference = copy.deepcopy(model)
         x = torch.randn(5, 12)
         loss = remotorch.compile(model, session=session, fallback="raise")(x).sum()
-        session._transport.close()  # the connection drops between forward and backward
+        session.connection.drop()  # the connection drops between forward and backward
         loss.backward()
         reference(x).sum().backward()
         for p, r in zip(model.parameters(), reference.parameters()):

@@ -39,31 +39,31 @@ def run_request(gid: str, tensor_ids: list[str], x: torch.Tensor) -> tuple[m.Run
 
 def ask(session: remotorch.Session, body, frames=()) -> m.ErrorReply | object:
     """The worker's raw answer (errors as ErrorReply, not raised)."""
-    header, _ = session._get_transport().request(m.encode(body), frames)
+    header, _ = session.connection.transport.request(m.encode(body), frames)
     return m.decode(header)
 
 
 def test_another_session_cannot_run_the_graph_even_with_the_weights(make_session):
     owner, model, _, x = model_and_owner(make_session, 1)
-    (gid,) = owner._graphs_on_worker
-    tids = sorted(owner._tensors_on_worker)
+    (gid,) = owner.connection.graphs
+    tids = sorted(owner.connection.tensors)
     other = make_session()
     with pytest.raises(errors.MissingObjectsError) as info:
-        other._request(*run_request(gid, tids, x))
+        other.connection.request(*run_request(gid, tids, x))
     assert info.value.graphs == [gid] and sorted(info.value.tensors) == tids
     # uploading the weights' bytes gives it the weights, not the graph it never sent
     for p in model.parameters():
         meta, buf = tensor_to_wire(p.detach(), 0)
-        other._request(m.PutTensors([content_id(meta, buf)], [meta]), [buf])
+        other.connection.request(m.PutTensors([content_id(meta, buf)], [meta]), [buf])
     with pytest.raises(errors.MissingObjectsError) as info:
-        other._request(*run_request(gid, tids, x))
+        other.connection.request(*run_request(gid, tids, x))
     assert info.value.graphs == [gid] and info.value.tensors == []
 
 
 def test_answers_about_ids_held_by_others_equal_answers_about_ids_nobody_holds(make_session):
     owner, _, _, x = model_and_owner(make_session, 2)
-    (gid,) = owner._graphs_on_worker
-    tids = sorted(owner._tensors_on_worker)
+    (gid,) = owner.connection.graphs
+    tids = sorted(owner.connection.tensors)
     fake_gid, fake_tids = secrets.token_hex(32), [secrets.token_hex(32) for _ in tids]
     other = make_session()
     real = ask(other, *run_request(gid, tids, x))
@@ -77,16 +77,16 @@ def test_answers_about_ids_held_by_others_equal_answers_about_ids_nobody_holds(m
 
 def test_another_session_cannot_put_other_bytes_under_an_owners_id(make_session):
     owner, model, compiled, x = model_and_owner(make_session, 3)
-    (gid,) = owner._graphs_on_worker
-    tids = sorted(owner._tensors_on_worker)
+    (gid,) = owner.connection.graphs
+    tids = sorted(owner.connection.tensors)
     other = make_session()
     for tid in tids:
         meta, buf = tensor_to_wire(torch.zeros(30, 20), 0)
         with pytest.raises(errors.InvalidRequestError, match="does not match"):
-            other._request(m.PutTensors([tid], [meta]), [buf])
+            other.connection.request(m.PutTensors([tid], [meta]), [buf])
     doc = m.encode(m.Health())  # any bytes that are not the owner's document
     with pytest.raises(errors.InvalidRequestError, match="does not match"):
-        other._request(m.PutGraph(gid, doc, []))
+        other.connection.request(m.PutGraph(gid, doc, []))
     with torch.no_grad():
         assert torch.equal(compiled(x), model(x))  # the owner's objects are untouched
 
@@ -109,7 +109,7 @@ def test_closing_a_session_never_frees_what_another_holds(make_session):
 
 def test_a_session_id_names_only_its_own_session(server, make_session):
     owner, _, _, x = model_and_owner(make_session, 5)
-    (gid,) = owner._graphs_on_worker
+    (gid,) = owner.connection.graphs
     transport = TcpTransport(server.url, TOKEN, protocol=m.PROTOCOL_VERSION)
     try:
         def raw(body, frames=()):
@@ -121,9 +121,9 @@ def test_a_session_id_names_only_its_own_session(server, make_session):
             assert isinstance(reply, m.ErrorReply) and reply.kind == "invalid", bad
         reply = raw(m.Attach(secrets.token_urlsafe(24)))  # a fresh id: a new, empty session
         assert isinstance(reply, m.AttachReply) and not reply.resumed
-        reply = raw(*run_request(gid, sorted(owner._tensors_on_worker), x))
+        reply = raw(*run_request(gid, sorted(owner.connection.tensors), x))
         assert isinstance(reply, m.ErrorReply) and reply.kind == "missing"
-        reply = raw(m.Attach(owner.session_id + "x"))  # no switching sessions on one connection
+        reply = raw(m.Attach(owner.connection.session_id + "x"))  # no switching sessions on one connection
         assert isinstance(reply, m.ErrorReply) and reply.kind == "invalid"
     finally:
         transport.close()
@@ -138,7 +138,7 @@ def test_a_wrong_or_missing_token_changes_nothing_on_the_worker(server, make_ses
     try:
         meta, buf = tensor_to_wire(torch.randn(1000), 0)
         with pytest.raises(errors.AuthenticationError):
-            intruder._request(m.PutTensors([content_id(meta, buf)], [meta]), [buf])
+            intruder.connection.request(m.PutTensors([content_id(meta, buf)], [meta]), [buf])
     finally:
         intruder.close()
     after = observer.health()
@@ -151,15 +151,15 @@ def test_training_slots_optimizers_and_handles_are_per_session(make_session):
     owner, other = make_session(), make_session()
     value = torch.arange(6, dtype=torch.float32)
     meta, buf = tensor_to_wire(value, 0)
-    owner._request(m.BindSlots([9001], [m.TensorArg(meta)]), [buf])
-    owner._request(m.OptimCreate(9006, "SGD", [[9001]], [{"lr": 0.1}]))
+    owner.connection.request(m.BindSlots([9001], [m.TensorArg(meta)]), [buf])
+    owner.connection.request(m.OptimCreate(9006, "SGD", [[9001]], [{"lr": 0.1}]))
     with pytest.raises(errors.MissingObjectsError):
-        other._request(m.PullSlots([9001]))
+        other.connection.request(m.PullSlots([9001]))
     with pytest.raises(errors.MissingObjectsError):
-        other._request(m.OptimStep(9006))
+        other.connection.request(m.OptimStep(9006))
     with pytest.raises(errors.MissingObjectsError):
-        other._request(m.OptimCreate(9007, "SGD", [[9001]], [{"lr": 0.1}]))
-    other._request(m.Pending(handles=[0, 1, 2], slots=[9001], optims=[9006]))  # ignored: not its ids
-    reply, frames = owner._request(m.PullSlots([9001]))
+        other.connection.request(m.OptimCreate(9007, "SGD", [[9001]], [{"lr": 0.1}]))
+    other.connection.request(m.Pending(handles=[0, 1, 2], slots=[9001], optims=[9006]))  # ignored: not its ids
+    reply, frames = owner.connection.request(m.PullSlots([9001]))
     assert torch.equal(remotorch.codec.tensors.tensor_from_wire(reply.values[0], frames[0]), value)
-    owner._request(m.OptimStep(9006))  # the owner's optimizer is still there
+    owner.connection.request(m.OptimStep(9006))  # the owner's optimizer is still there

@@ -52,7 +52,7 @@ def put(session: remotorch.Session, *tensors: torch.Tensor) -> list[str]:
         metas.append(meta)
         frames.append(buf)
         ids.append(content_id(meta, buf))
-    session._request(m.PutTensors(ids, metas), frames)
+    session.connection.request(m.PutTensors(ids, metas), frames)
     return ids
 
 
@@ -200,7 +200,7 @@ def test_tensor_and_graph_size_limits(limited, sessions):
     big_doc = b"\x00" * (300 << 10)
     gid = remotorch.codec.graph.graph_id(big_doc, [], [])
     with pytest.raises(errors.LimitExceededError, match="graph of"):
-        s._request(m.PutGraph(gid, big_doc, []))
+        s.connection.request(m.PutGraph(gid, big_doc, []))
     compiled = remotorch.compile(lambda a: a.sum(0), session=s, fallback="raise")
     with pytest.raises(errors.LimitExceededError):
         compiled(torch.randn(3 * MiB // 4 // 8, 8))  # an inline argument over the tensor limit

@@ -212,13 +212,13 @@ def test_sessions_cannot_use_each_others_tensors(make_session):
     compiled = compile_remote(model, owner)
     with torch.no_grad():
         compiled(torch.randn(2, 784))
-    tensor_ids = sorted(owner._tensors_on_worker)
+    tensor_ids = sorted(owner.connection.tensors)
     assert len(tensor_ids) == 4
-    graph_ids = sorted(owner._graphs_on_worker)
+    graph_ids = sorted(owner.connection.graphs)
     meta, buf = tensor_to_wire(torch.randn(2, 784), 0)
     args = [m.TensorArg(meta)] + [m.RefArg(t) for t in tensor_ids]
     # the other session knows the ids but never uploaded the content: the worker says they are missing
     with pytest.raises(remotorch.errors.MissingObjectsError) as info:
-        other._request(m.RunGraph(graph_ids[0], "eager", args), [buf])
+        other.connection.request(m.RunGraph(graph_ids[0], "eager", args), [buf])
     assert set(info.value.graphs) == set(graph_ids)
     assert set(info.value.tensors) == set(tensor_ids)

@@ -220,7 +220,7 @@ def test_dynamic_shapes_one_upload_serves_every_batch_size_on_every_engine(sessi
             x = torch.randn(batch, 784)
             assert torch.equal(fast(x), model(x))
         (link,) = session.worker_links()
-        assert link.graphs_uploaded == 1
+        assert link.stats["graphs_uploaded"] == 1
     report = prof.report()
     assert report.compile_calls == 1 and report.timed_calls == 3
     assert len(report.sequences) == 1

@@ -311,8 +311,8 @@ def test_wrong_argument_count_and_dtype_are_invalid_requests(session, server):
     compiled = remotorch.compile(lambda a, b: a * b + 1, session=session, fallback="raise")
     a, b = torch.randn(3), torch.randn(3)
     assert torch.equal(compiled(a, b), a * b + 1)
-    gid = next(iter(session._graphs_on_worker))
-    transport = session._get_transport()  # the same connection: it holds the graph
+    gid = next(iter(session.connection.graphs))
+    transport = session.connection.transport  # the same connection: it holds the graph
     meta_f, buf_f = remotorch.codec.tensors.tensor_to_wire(a, 0)
     meta_i, buf_i = remotorch.codec.tensors.tensor_to_wire(torch.arange(3), 1)
     meta_long, buf_long = remotorch.codec.tensors.tensor_to_wire(torch.randn(4), 1)

@@ -117,7 +117,7 @@ def test_embedded_worker_spins_when_the_session_does(monkeypatch):
     session = remotorch.Session()
     try:
         assert session.echo([b"ping"])[0].tobytes() == b"ping"
-        args = session._embedded._proc.args
+        args = session.embedded_worker.args
         assert args[args.index("--spin-us") + 1] == "500"
     finally:
         session.close()

@@ -597,29 +597,29 @@ def test_optimizer_given_parameters_of_another_session(make_session):
 
 def test_bad_training_requests_are_typed_errors(session):
     with pytest.raises(InvalidRequestError, match="not an optimizer class"):
-        session._request(m.OptimCreate(1, "Optimizer", [[]], [{}]))
+        session.connection.request(m.OptimCreate(1, "Optimizer", [[]], [{}]))
     for name in ("__class__", "lr_scheduler", "SGD.step", "os", "Optimizer "):  # only classes, by name
         with pytest.raises(InvalidRequestError, match="not an optimizer class"):
-            session._request(m.OptimCreate(1, name, [[]], [{}]))
+            session.connection.request(m.OptimCreate(1, name, [[]], [{}]))
     meta, buf = tensor_to_wire(torch.ones(2), 0)
-    session._request(m.BindSlots([9001], [m.TensorArg(meta)]), [buf])
+    session.connection.request(m.BindSlots([9001], [m.TensorArg(meta)]), [buf])
     with pytest.raises(InvalidRequestError, match="not allowed"):
-        session._request(m.OptimCreate(9002, "SGD", [[9001]], [{"__init__": 1.0}]))
+        session.connection.request(m.OptimCreate(9002, "SGD", [[9001]], [{"__init__": 1.0}]))
     with pytest.raises(InvalidRequestError, match="refused its arguments"):
-        session._request(m.OptimCreate(9003, "SGD", [[9001]], [{"lr": -0.1}]))
+        session.connection.request(m.OptimCreate(9003, "SGD", [[9001]], [{"lr": -0.1}]))
     with pytest.raises(InvalidRequestError, match="refused its arguments"):
-        session._request(m.OptimCreate(9005, "SGD", [[9001]], [{"lr": 0.1, "momentum": -1.0}]))
-    session._request(m.OptimCreate(9006, "SGD", [[9001]], [{"lr": 0.1, "momentum": 0.9}]))
+        session.connection.request(m.OptimCreate(9005, "SGD", [[9001]], [{"lr": 0.1, "momentum": -1.0}]))
+    session.connection.request(m.OptimCreate(9006, "SGD", [[9001]], [{"lr": 0.1, "momentum": 0.9}]))
     with pytest.raises(InvalidRequestError, match="does not fit"):
-        session._request(m.OptimSetState(9006, [(5, "momentum_buffer", m.ScalarArg(1.0))]))
+        session.connection.request(m.OptimSetState(9006, [(5, "momentum_buffer", m.ScalarArg(1.0))]))
     with pytest.raises(InvalidRequestError, match="does not fit"):
-        session._request(m.OptimSetState(9006, [(0, "__dict__", m.ScalarArg(1.0))]))
+        session.connection.request(m.OptimSetState(9006, [(0, "__dict__", m.ScalarArg(1.0))]))
     with pytest.raises(MissingObjectsError):
-        session._request(m.OptimStep(9099))
+        session.connection.request(m.OptimStep(9099))
     with pytest.raises(MissingObjectsError):
-        session._request(m.PullSlots([12345]))
+        session.connection.request(m.PullSlots([12345]))
     with pytest.raises(MissingObjectsError):
-        session._request(m.OptimCreate(9004, "SGD", [[12345]], [{"lr": 0.1}]))
+        session.connection.request(m.OptimCreate(9004, "SGD", [[12345]], [{"lr": 0.1}]))
     with pytest.raises(TypeError, match="not an optimizer class"):
         RemoteOptimizer(torch.nn.Linear, [nn.Parameter(torch.ones(1))], session=session)
     with pytest.raises(WorkerError, match="closure"):  # LBFGS needs a closure for each evaluation
@@ -636,8 +636,8 @@ def lose_worker_state(session) -> None:
     A dropped connection alone keeps the session for its lease (the client
     re-attaches); ending it on the worker is what loses the state.
     """
-    session._transport.request(m.encode(m.Detach()))
-    session._transport.close()
+    session.connection.transport.request(m.encode(m.Detach()))
+    session.connection.drop()
 
 
 def test_backward_after_the_worker_lost_the_activations_is_a_typed_error(session):

@@ -159,11 +159,12 @@ def test_unreachable_unix_worker_falls_back_or_raises(tmp_path):
 
 def test_embedded_worker_over_tcp_when_asked(monkeypatch):
     monkeypatch.setenv("REMOTORCH_EMBEDDED_TRANSPORT", "tcp")
-    worker = EmbeddedWorker("cpu")
-    try:
+    monkeypatch.delenv("REMOTORCH_URL", raising=False)
+    with remotorch.Session(device="cpu") as session:
+        assert session.health()["name"] == "local"  # the session reached it
+        worker = session.embedded_worker
         assert worker.transport == "tcp" and worker.url.startswith("tcp://127.0.0.1:")
-    finally:
-        worker.stop()
+        assert session.connection.url == worker.url
     assert not worker.alive()
 
 

@@ -57,8 +57,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .worker.server import WorkerServer
     from .worker import Worker
     from .client.embedded import READY_PREFIX
+    from .config import from_env
 
-    token = args.token or os.environ.get("REMOTORCH_TOKEN") or None
+    token = args.token or from_env().token
     if args.unix and args.tls_cert:
         print("remotorch serve: --tls-cert is for TCP; a --unix socket is reachable only on this host",
               file=sys.stderr)

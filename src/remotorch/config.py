@@ -8,18 +8,21 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class EnvConfig:
-    """What the environment says about where the worker is."""
+    """What the environment says about where the worker is and how to reach it."""
 
     url: str | None
     token: str | None
     spin_us: float = 0.0
+    embedded_transport: str | None = None  # "unix" or "tcp" for the embedded worker (None: unix)
 
 
 def from_env() -> EnvConfig:
-    """``REMOTORCH_URL``, ``REMOTORCH_TOKEN`` and ``REMOTORCH_SPIN_US``, empty values counting as unset.
+    """``REMOTORCH_URL``, ``REMOTORCH_TOKEN``, ``REMOTORCH_SPIN_US`` and
+    ``REMOTORCH_EMBEDDED_TRANSPORT``, empty values counting as unset.
 
     A ``REMOTORCH_SPIN_US`` that is not a number >= 0 is a ``ValueError``
-    naming the variable.
+    naming the variable. ``REMOTORCH_TOKEN`` is also the default token of
+    ``remotorch serve``.
     """
     spin = os.environ.get("REMOTORCH_SPIN_US") or "0"
     try:
@@ -29,4 +32,5 @@ def from_env() -> EnvConfig:
     except ValueError:
         raise ValueError(f"REMOTORCH_SPIN_US must be a number of microseconds >= 0, got {spin!r}") from None
     return EnvConfig(url=os.environ.get("REMOTORCH_URL") or None,
-                     token=os.environ.get("REMOTORCH_TOKEN") or None, spin_us=spin_us)
+                     token=os.environ.get("REMOTORCH_TOKEN") or None, spin_us=spin_us,
+                     embedded_transport=os.environ.get("REMOTORCH_EMBEDDED_TRANSPORT") or None)

@@ -67,9 +67,9 @@ def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: 
                   fallback: str, static: bool, kind: str = "inference") -> RemoteGraph:
     """aot_autograd compiler hook: wrap one aten graph for remote execution."""
     from ..codec.graph import encode_graph
-    from ..client.session import default_session
+    from ..client import default_session
 
-    def get_session():
+    def runner():
         return session if session is not None else default_session()
 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -80,7 +80,7 @@ def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: 
             payload = encode_graph(gm)
     except UnsupportedGraphError as exc:
         unsupported = exc
-    return RemoteGraph(payload, session_getter=get_session, engine=engine, fallback=fallback,
+    return RemoteGraph(payload, runner=runner, engine=engine, fallback=fallback,
                        resident=_static_indices(example_inputs) if static else [],
                        output_devices=output_devices(gm), local=gm.forward, unsupported=unsupported,
                        kind=kind, saved_from=_saved_from() if kind == "forward" else None)

@@ -1,39 +1,48 @@
 """The callable that stands in for one captured aten graph: runs it remotely, or locally.
 
 aot_autograd calls it with the flat argument list (boxed convention). It
-asks its session to run the graph; on a remote failure it follows its
-fallback policy: ``"local"`` runs the same aten graph here (one warning per
-graph, counted in ``stats()["fallbacks"]``), ``"raise"`` lets the typed
-``RemoteError`` through.
-
-Training graphs (a forward whose saved tensors stay on the worker, its
-backward) and every graph of a session that holds parameters in worker slots
-run through :mod:`remotorch.train_client`. Those never fall back: the local
-side has placeholders, not activations, and stale parameters.
+asks its runner (a :class:`GraphRunner`: a session, or the profiler) to run
+the graph; on a remote failure it follows its fallback policy: ``"local"``
+runs the same aten graph here (one warning per graph, counted in
+``stats()["fallbacks"]``) where the runner allows it, ``"raise"`` lets the
+typed ``RemoteError`` through. How a graph runs remotely (plain, or with
+state kept on the worker for training) is the runner's business.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 from ..codec.graph import GraphPayload
 from ..errors import RemoteError, RemoteFallbackWarning
-from ..training.handles import handle_of
-from ..training.client import has_slots, keeps_state, training_client
 
 log = logging.getLogger(__name__)
 
 FALLBACKS = ("local", "raise")
 
 
+class GraphRunner(Protocol):
+    """What a captured graph asks to run it (a ``Session``, or the profiler while profiling)."""
+
+    def run_graph(self, graph: RemoteGraph, args: Sequence) -> list:
+        """Run the graph remotely; its outputs, or a ``RemoteError``."""
+
+    def prepare_local(self, graph: RemoteGraph, args: Sequence, reached_worker: bool) -> bool:
+        """May the graph run locally after a failure? (It may bring values back first.)"""
+
+    def note_fallback(self) -> None:
+        """The graph ran locally."""
+
+
 class RemoteGraph:
     """One uploaded-once graph, its resident arguments, and its fallback."""
 
-    def __init__(self, payload: GraphPayload | None, *, session_getter: Callable, engine: str,
+    def __init__(self, payload: GraphPayload | None, *, runner: Callable[[], GraphRunner], engine: str,
                  fallback: str, resident: list[int], output_devices: list, local: Callable,
                  unsupported: RemoteError | None = None, kind: str = "inference",
                  saved_from: int | None = None) -> None:
@@ -47,7 +56,7 @@ class RemoteGraph:
         self.resident = resident
         self.resident_set = frozenset(resident)
         self.output_devices = output_devices
-        self._session_getter = session_getter
+        self._runner = runner
         self._local = local
         self._unsupported = unsupported
         self._warned = False
@@ -60,27 +69,18 @@ class RemoteGraph:
         # arguments are never lists themselves, so the two cannot be confused.
         if len(args) == 1 and isinstance(args[0], list):
             args = args[0]
-        session = self._session_getter()
+        runner = self._runner()
         if self._unsupported is not None:
-            if has_slots(session):  # runs here: with the worker's current parameters
-                training_client(session).refresh_local([args[i] for i in self.resident])
-            return self._fall_back(session, args, self._unsupported)
-        if (self.kind != "inference" or has_slots(session)) and keeps_state(session):
-            try:
-                return training_client(session).run(self, args)
-            except RemoteError as exc:
-                if has_slots(session) or any(handle_of(a) is not None for a in args):
-                    raise
-                return self._fall_back(session, args, exc)
+            return self._fall_back(runner, args, self._unsupported, reached_worker=False)
         try:
-            return session.run_graph(self, args)
+            return runner.run_graph(self, args)
         except RemoteError as exc:
-            return self._fall_back(session, args, exc)
+            return self._fall_back(runner, args, exc, reached_worker=True)
 
-    def _fall_back(self, session, args: list, exc: RemoteError) -> list:
-        if self.fallback == "raise":
+    def _fall_back(self, runner: GraphRunner, args: list, exc: RemoteError, *, reached_worker: bool) -> list:
+        if self.fallback == "raise" or not runner.prepare_local(self, args, reached_worker):
             raise exc
-        session.note_fallback()
+        runner.note_fallback()
         if not self._warned:
             self._warned = True
             short = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

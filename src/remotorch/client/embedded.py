@@ -1,13 +1,16 @@
-"""The embedded default worker: a real ``remotorch serve`` subprocess on this host.
+"""Worker processes on this host: the embedded default worker, and :func:`spawn_worker` for tools.
 
-Started with a random token when a session has no address, stopped when the
-session closes or this process exits. The child also exits by itself when
-its stdin closes, so it never outlives a crashed parent.
+The embedded worker is a real ``remotorch serve`` subprocess with a random
+token, started when a session has no address and stopped when the session
+closes or this process exits. The child also exits by itself when its stdin
+closes, so it never outlives a crashed parent. It listens on a Unix socket
+in a private temporary directory (mode 0700), which costs about half what
+loopback TCP does per round trip; where Unix sockets are unavailable, or
+``REMOTORCH_EMBEDDED_TRANSPORT=tcp`` says so, it listens on 127.0.0.1 at a
+free port instead.
 
-It listens on a Unix socket in a private temporary directory (mode 0700),
-which costs about half what loopback TCP does per round trip; where Unix
-sockets are unavailable, or ``REMOTORCH_EMBEDDED_TRANSPORT=tcp`` says so, it
-listens on 127.0.0.1 at a free port instead.
+:func:`spawn_worker` is the one place that starts ``remotorch serve`` and
+reads its ready line; tests and benchmarks use it too.
 """
 
 from __future__ import annotations
@@ -21,10 +24,72 @@ import sys
 import tempfile
 import threading
 import weakref
+from collections.abc import Mapping, Sequence
 
 from ..errors import WorkerUnavailableError
 
 READY_PREFIX = "remotorch: serving on "
+
+
+class WorkerProcess:
+    """A ``remotorch serve`` child process and the URL it serves on."""
+
+    def __init__(self, proc: subprocess.Popen, url: str) -> None:
+        self.proc = proc
+        self.url = url
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask it to stop (stdin closed, SIGTERM), kill it if it does not; idempotent."""
+        _end(self.proc, timeout)
+
+    def kill(self) -> None:
+        """Kill it at once (SIGKILL) and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def spawn_worker(args: Sequence[str] = (), *, env: Mapping[str, str] | None = None, stderr=None,
+                 stdin: int = subprocess.DEVNULL, start_timeout: float = 120.0) -> WorkerProcess:
+    """Start ``python -m remotorch serve ARGS`` and wait until it prints that it serves.
+
+    Its stdout is drained for as long as it runs (so the child never blocks
+    on a full pipe). ``WorkerUnavailableError`` if it does not start in
+    ``start_timeout`` seconds (then it is killed).
+    """
+    cmd = [sys.executable, "-m", "remotorch", "serve", *args]
+    proc = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=stderr,
+                            env=dict(env) if env is not None else None, text=True)
+    found: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if line.startswith(READY_PREFIX):
+                found.append(line[len(READY_PREFIX):].strip())
+                break
+        for _ in proc.stdout:  # type: ignore[union-attr]
+            pass
+
+    reader = threading.Thread(target=read, daemon=True, name="remotorch-worker-stdout")
+    reader.start()
+    deadline = start_timeout
+    while not found and reader.is_alive() and deadline > 0:
+        reader.join(0.05)
+        deadline -= 0.05
+    if not found:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        raise WorkerUnavailableError(f"remotorch serve did not start within {start_timeout:.0f}s "
+                                     f"(exit code {proc.returncode})")
+    return WorkerProcess(proc, found[0])
 
 
 class EmbeddedWorker:
@@ -33,7 +98,7 @@ class EmbeddedWorker:
     def __init__(self, device: str = "auto", *, start_timeout: float = 120.0,
                  transport: str | None = None, spin_us: float = 0.0) -> None:
         self.token = secrets.token_hex(16)
-        transport = transport or os.environ.get("REMOTORCH_EMBEDDED_TRANSPORT") or "unix"
+        transport = transport or "unix"
         if transport not in ("unix", "tcp"):
             raise ValueError(f"embedded worker transport must be 'unix' or 'tcp', not {transport!r}")
         self._dir = None
@@ -44,43 +109,35 @@ class EmbeddedWorker:
             if len(path.encode()) < 100:  # sun_path holds about 104-108 bytes
                 listen = ["--unix", path]
         self.transport = "unix" if listen[0] == "--unix" else "tcp"
-        env = dict(os.environ, REMOTORCH_TOKEN=self.token, PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "remotorch", "serve", *listen,
-               "--name", "local", "--device", device, "--exit-on-stdin-close",
-               # the worker shares this machine's cores with the caller: take half, so
-               # neither side's kernel threads spin on cores the other needs
-               "--threads", str(max(1, (os.cpu_count() or 2) // 2))]
+        args = [*listen, "--name", "local", "--device", device, "--exit-on-stdin-close",
+                # the worker shares this machine's cores with the caller: take half, so
+                # neither side's kernel threads spin on cores the other needs
+                "--threads", str(max(1, (os.cpu_count() or 2) // 2))]
         if spin_us:  # the session busy-polls for replies: the worker for requests, alike
-            cmd += ["--spin-us", f"{spin_us:g}"]
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=None, env=env, text=True)
-        self._finalizer = weakref.finalize(self, _stop, self._proc, self._dir)
-        self.url = self._wait_ready(start_timeout)
-
-    def _wait_ready(self, timeout: float) -> str:
-        found: list[str] = []
-
-        def read() -> None:
-            for line in self._proc.stdout:  # type: ignore[union-attr]
-                if line.startswith(READY_PREFIX):
-                    found.append(line[len(READY_PREFIX):].strip())
-                    break
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(timeout)
-        if not found:
-            self.stop()
-            raise WorkerUnavailableError(f"the embedded worker did not start within {timeout:.0f}s")
-        # keep draining stdout so the child never blocks on a full pipe
-        threading.Thread(target=lambda: [None for _ in self._proc.stdout], daemon=True).start()
-        return found[0]
+            args += ["--spin-us", f"{spin_us:g}"]
+        try:
+            self._worker = spawn_worker(args, env=dict(os.environ, REMOTORCH_TOKEN=self.token,
+                                                       PYTHONUNBUFFERED="1"),
+                                        stdin=subprocess.PIPE, start_timeout=start_timeout)
+        except WorkerUnavailableError:
+            if self._dir is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+            raise WorkerUnavailableError(f"the embedded worker did not start within {start_timeout:.0f}s") \
+                from None
+        self._finalizer = weakref.finalize(self, _stop, self._worker.proc, self._dir)
+        self.url = self._worker.url
 
     @property
     def pid(self) -> int:
-        return self._proc.pid
+        return self._worker.pid
+
+    @property
+    def args(self) -> list[str]:
+        """The command line the worker runs with."""
+        return list(self._worker.proc.args)
 
     def alive(self) -> bool:
-        return self._proc.poll() is None
+        return self._worker.alive()
 
     def stop(self) -> None:
         """Stop the worker process (idempotent)."""
@@ -95,15 +152,16 @@ def _stop(proc: subprocess.Popen, directory: str | None = None) -> None:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def _end(proc: subprocess.Popen) -> None:
+def _end(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     if proc.poll() is None:
         try:
-            proc.stdin.close()  # type: ignore[union-attr]
+            if proc.stdin is not None:
+                proc.stdin.close()
         except OSError:
             pass
         proc.terminate()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

@@ -22,7 +22,8 @@ import torch.fx
 
 from ..errors import UnsupportedGraphError
 from .messages import TensorMeta
-from .tensors import DTYPE_NAMES, dtype_from_name, dtype_name, tensor_to_wire
+from .frames import FrameWriter
+from .tensors import DTYPE_NAMES, dtype_from_name, dtype_name
 
 DOC_FORMAT = 1
 MAX_NODES = 200_000
@@ -132,7 +133,7 @@ class GraphPayload:
 def encode_graph(gm: torch.fx.GraphModule) -> GraphPayload:
     """Turn an aten-level GraphModule into a document; refuses anything not allowlisted."""
     names: dict[torch.fx.Node, str] = {}
-    nodes, consts, frames = [], [], []
+    nodes, consts, writer = [], [], FrameWriter()
     for i, node in enumerate(gm.graph.nodes):
         names[node] = f"v{i}"
         if node.op == "placeholder":
@@ -145,16 +146,14 @@ def encode_graph(gm: torch.fx.GraphModule) -> GraphPayload:
             value = _get_attr(gm, node.target)
             if not isinstance(value, torch.Tensor):
                 raise UnsupportedGraphError(f"graph attribute {node.target} is not a tensor")
-            meta, buf = tensor_to_wire(value, len(frames))
-            consts.append(meta)
-            frames.append(buf)
+            consts.append(writer.meta(value))
             nodes.append({"op": "const", "index": len(consts) - 1})
         elif node.op == "output":
             nodes.append({"op": "output", "args": _encode_value(node.args[0], names)})
         else:
             raise UnsupportedGraphError(f"FX node kind {node.op} cannot run remotely")
     doc = msgspec.msgpack.encode({"format": DOC_FORMAT, "nodes": nodes})
-    return GraphPayload(graph_id(doc, consts, frames), doc, consts, frames,
+    return GraphPayload(graph_id(doc, consts, writer.frames), doc, consts, writer.frames,
                         sum(1 for n in nodes if n["op"] == "placeholder"))
 
 

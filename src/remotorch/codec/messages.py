@@ -116,10 +116,11 @@ class HealthReply(msgspec.Struct, frozen=True, tag="health_reply"):
     torch_version: str
     engines: list[str]
     protocol: int
-    sessions: int = 0
+    sessions: int = 0  # worker-side sessions: attached ones, and connections serving as their own
     resident_bytes: int = 0
     cached_bytes: int = 0  # objects no session holds, kept for re-use (evicted first)
     price_per_hour: float = 0.0  # $ per hour (``remotorch serve --price-per-hour``), for cost reports
+    connections: int = 0  # connections that have sent a request and are open now
 
 
 class Ok(msgspec.Struct, frozen=True, tag="ok"):

@@ -92,6 +92,9 @@ class _ToProfiler:
             raise errors.RemoteError("a profiled graph ran outside remote_profile")
         return profiler.run_graph(graph, args)
 
+    def prepare_local(self, graph, args, reached_worker: bool) -> bool:
+        return True  # profiled graphs keep no state on workers
+
     def note_fallback(self) -> None:
         profiler = current_profiler()
         if profiler is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,8 @@ import msgspec
 import torch
 
 from .. import errors
+from ..client.connection import unpack_outputs
+from ..codec import messages as m
 from ..codec.graph import decode_graph
 from ..codec.tensors import tensor_from_wire
 from .context import activate_profiler, deactivate_profiler
@@ -30,7 +33,7 @@ from .records import BackendRun, CallRecord, GraphCall
 if TYPE_CHECKING:
     from ..capture.graph import RemoteGraph
     from ..client.session import Session
-    from ..client.pool import WorkerLink
+    from ..client.connection import Connection
     from .report import Report
 
 log = logging.getLogger(__name__)
@@ -67,7 +70,7 @@ class Profiler:
         self.output_backend = ""
         self.workers: dict[str, dict] = {}
         self.records: list[CallRecord] = []
-        self._plan: list[tuple[WorkerLink, list[str]]] = []
+        self._plan: list[tuple[Connection, list[str]]] = []
         self._call: CallRecord | None = None
         self._refused: dict[tuple[str, str], str] = {}  # (graph, backend) -> compile failure
         self._references: dict[str, object] = {}
@@ -98,7 +101,7 @@ class Profiler:
         self.output_backend = self._wanted_output or self.backends[0]
         if self.output_backend not in self.backends:
             raise errors.UnknownBackendError(f"output backend {self.output_backend} is not profiled")
-        for link in session.worker_links():
+        for link in session.connections():
             engines = [b.split("/", 1)[1] for b in self.backends if b.split("/", 1)[0] == link.name]
             if engines:
                 self._plan.append((link, engines))
@@ -185,7 +188,7 @@ class Profiler:
             self._keep.append(accelerated)  # ids stay unique while the profiler lives
         return name
 
-    def _run_on_worker(self, link: WorkerLink, engines: list[str], graph: RemoteGraph, args: list) -> dict:
+    def _run_on_worker(self, link: Connection, engines: list[str], graph: RemoteGraph, args: list) -> dict:
         out = {}
         for engine in engines:  # one after another: engines of one worker never overlap
             backend = f"{link.name}/{engine}"
@@ -195,7 +198,8 @@ class Profiler:
                 continue
             started = time.perf_counter()
             try:
-                res = link.profile(graph, args, engine, warmups=self.num_warmups, repeats=self.num_repeats)
+                res = profile_graph(link, graph, args, engine, warmups=self.num_warmups,
+                                    repeats=self.num_repeats)
             except errors.RemoteError as exc:
                 message = f"{type(exc).__name__}: {(exc.message or str(exc)).splitlines()[0][:300]}"
                 if isinstance(exc, errors.UnsupportedGraphError):  # compile failure: do not retry
@@ -231,6 +235,34 @@ class Profiler:
             nodes = msgspec.msgpack.decode(graph.payload.doc).get("nodes", [])
             n = self._ops[graph.graph_id] = sum(1 for node in nodes if node.get("op") == "call")
         return n
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    """What one timed request to one worker engine gave back."""
+
+    outputs: list
+    times_ms: list[float]  # one per timed run, measured by the worker
+    clock: str  # "monotonic" or "cuda_events"
+    compiled: bool  # the request compiled the graph for the engine (first use)
+    compile_ms: float
+    worker_ms: float  # the worker's time for the whole request
+    round_trip_ms: float  # the client's time for the whole request
+
+    @property
+    def network_ms(self) -> float:
+        """Round-trip time not spent in the worker: transport, serialization, queueing."""
+        return max(0.0, self.round_trip_ms - self.worker_ms)
+
+
+def profile_graph(conn: Connection, graph: RemoteGraph, args: list, engine: str, *, warmups: int,
+                  repeats: int) -> ProfileResult:
+    """Run a captured graph on one engine of a worker with timed repeats (one ``ProfileGraph``)."""
+    start = time.perf_counter()
+    reply, frames = conn.run(graph, args, m.ProfileGraph, engine=engine, warmups=warmups, repeats=repeats)
+    round_trip = (time.perf_counter() - start) * 1e3
+    return ProfileResult(unpack_outputs(graph, reply.outputs, frames), list(reply.times_ms), reply.clock,
+                         reply.compiled, reply.compile_ms, reply.worker_ms, round_trip)
 
 
 def _now() -> float:

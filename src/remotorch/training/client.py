@@ -1,84 +1,70 @@
 """Client side of training: graphs run with worker-resident activations, parameters and gradients.
 
-A :class:`TrainingClient` belongs to one :class:`~remotorch.session.Session`
-(:func:`training_client` makes it on first use) and adds to it:
+A :class:`TrainingClient` belongs to one :class:`~remotorch.client.connection.Connection`
+(one worker; a session makes one for its first worker on first need, a
+pipeline one per stage worker) and adds to it:
 
 * forward graphs whose saved-for-backward outputs stay on the worker as
-  handles (local placeholders from :mod:`remotorch.handles`);
-* trainable parameters held in worker slots (:mod:`remotorch.params`), so
-  that backward graphs accumulate parameter gradients there and a worker-side
-  optimizer (:mod:`remotorch.optim`) updates them in place;
+  handles (local placeholders from :mod:`remotorch.training.handles`);
+* trainable parameters held in worker slots (:mod:`remotorch.training.params`),
+  so that backward graphs accumulate parameter gradients there and a
+  worker-side optimizer (:mod:`remotorch.training.optim`) updates them in place;
 * :meth:`TrainingClient.pull`, which brings the worker's values back.
 
 Releases of freed handles and slots, and ``zero_grad()``, ride on the next
-training request (:class:`~remotorch.codec.messages.Pending`). It uses
-the session's own request path and upload cache (``_request``,
-``_ensure_graph``, ``_remember``, ``_upload_tensors``) and its lock.
+training request (:class:`~remotorch.codec.messages.Pending`). Everything
+goes through the connection's public API (``call``, ``request``, ``refs``,
+``held``, ``lock``, ``stats``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 
 from .. import errors
+from ..client.connection import Connection, Graph
+from ..client.session import Session
 from ..codec import messages as m
-from ..codec.tensors import tensor_from_wire, tensor_to_wire
-from ..codec.values import arg_to_value
+from ..codec.frames import FrameReader, FrameWriter
 from .handles import ForwardCall, HandleTable, call_of, handle_of
-from .params import ParamSlots, Slot, owner_of
-
-if TYPE_CHECKING:
-    from ..capture.graph import RemoteGraph
-    from ..client.session import Session
+from .params import ParamSlots, Slot, owner_of, waiting_optimizers
 
 log = logging.getLogger(__name__)
 
-_UNRECOVERABLE = ("handle:", "slot:", "optim:")
-
 
 def training_client(session: Session) -> TrainingClient:
-    """The session's training state, created on first use."""
-    client = getattr(session, "_training_client", None)
-    if client is None:
-        with session._lock:
-            client = getattr(session, "_training_client", None)
-            if client is None:
-                client = session._training_client = TrainingClient(session)
-    return client
-
-
-def keeps_state(session: object) -> bool:
-    """True for a :class:`~remotorch.session.Session`, whose worker can keep training state.
-
-    Other objects stand where a session would (a profiler runs graphs on
-    several workers); their graphs run as plain calls.
-    """
-    from ..client.session import Session
-    return isinstance(session, Session)
-
-
-def has_slots(session: Session) -> bool:
-    """True when some parameter of this session lives in a worker slot."""
-    client = getattr(session, "_training_client", None)
-    return client is not None and client.slots.bound
+    """The training client of a session's first worker, created on first use."""
+    return session.stateful()
 
 
 class TrainingClient:
-    """Handles, parameter slots and optimizer ids of one session."""
+    """Handles, parameter slots and optimizer ids of one worker-side session (one connection)."""
 
-    def __init__(self, session: Session) -> None:
-        self.session = session
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
         self.handles = HandleTable()
-        self.slots = ParamSlots(session)
+        self.slots = ParamSlots(self)
         self._next_optim = 1
         self._dropped_optims: list[int] = []
         self._zero_grad: list[int] = []
         self._superseded: list[str] = []
+
+    @property
+    def closed(self) -> bool:
+        return self.connection.closed
+
+    @property
+    def bound(self) -> bool:
+        """Some parameter lives in a worker slot: the worker holds parameters of record."""
+        return self.slots.bound
+
+    def owns_state_in(self, args: Sequence) -> bool:
+        """Some argument is a placeholder for an activation kept on the worker."""
+        return any(handle_of(a) is not None for a in args)
 
     # ----------------------------------------------------------------- releases
     def new_optim_id(self) -> int:
@@ -104,35 +90,35 @@ class TrainingClient:
             return None
         return m.Pending(handles, slots, optims, zero, superseded)
 
+    def with_pending(self, body):
+        """``body`` carrying the deferred housekeeping (applied by the worker before the request)."""
+        pending = self.take_pending()
+        return body if pending is None else msgspec.structs.replace(body, pending=pending)
+
     def request(self, body, frames: Sequence = ()):
         """Send a training request with the deferred housekeeping riding on it."""
-        pending = self.take_pending()
-        if pending is not None:
-            body = msgspec.structs.replace(body, pending=pending)
-        return self.session._request(body, frames)
+        return self.connection.request(self.with_pending(body), frames)
 
     def flush(self) -> None:
         """Send deferred housekeeping now (normally it waits for the next training request)."""
-        with self.session._lock:
+        with self.connection.lock:
             pending = self.take_pending()
             if pending is not None:
-                self.session._request(pending)
+                self.connection.request(pending)
 
     # -------------------------------------------------------------------- slots
     def claim(self, t: torch.Tensor) -> Slot:
         """This session's slot for a parameter; ForeignParameterError if another session holds it."""
         other = owner_of(t)
-        if other is not None and other is not self.session and not other._closed:
-            theirs = getattr(other, "_training_client", None)
-            if theirs is not None and theirs.slots.lookup(t) is not None:
-                raise errors.ForeignParameterError(
-                    f"parameter of shape {list(t.shape)} is held by another session's worker; "
-                    "use that session (or pull it and close that session first)")
+        if other is not None and other is not self and not other.closed and other.slots.lookup(t) is not None:
+            raise errors.ForeignParameterError(
+                f"parameter of shape {list(t.shape)} is held by another session's worker; "
+                "use that session (or pull it and close that session first)")
         return self.slots.get_or_new(t)
 
     def bind_stale(self, tensors: Iterable[torch.Tensor]) -> None:
         """Upload local values into the slots whose local copy moved (or that are new)."""
-        s = self.session
+        conn = self.connection
         todo = []
         for t in tensors:
             slot = self.claim(t)
@@ -140,30 +126,20 @@ class TrainingClient:
                 todo.append((t, slot))
         if not todo:
             return
-        values, frames = [], []
+        w, values = FrameWriter(), []
         for t, _ in todo:
-            tid = self._known_content(t)
-            if tid is not None:
-                values.append(m.RefArg(tid))
-            else:
-                meta, buf = tensor_to_wire(t, len(frames))
-                values.append(m.TensorArg(meta))
-                frames.append(buf)
+            tid = conn.held(t)
+            values.append(m.RefArg(tid) if tid is not None else w.tensor(t))
         versions = [t._version for t, _ in todo]
-        self.request(m.BindSlots([slot.sid for _, slot in todo], values), frames)
+        self.request(m.BindSlots([slot.sid for _, slot in todo], values), w.frames)
         for (_, slot), version in zip(todo, versions):
             slot.version = version
             slot.stepped = False
         self.slots.bound = True
-        s._stats["tensors_uploaded"] += len(frames)
-
-    def _known_content(self, t: torch.Tensor) -> str | None:
-        """The content id the worker already holds for this exact local value, if any."""
-        entry = self.session._resident.get(id(t))
-        if entry is not None and entry[0]() is t and entry[1] == t._version \
-                and entry[2] in self.session._tensors_on_worker:
-            return entry[2]
-        return None
+        conn.stats["tensors_uploaded"] += len(w.frames)
+        waiting = [o for t, _ in todo for o in waiting_optimizers(t)]
+        for opt in dict.fromkeys(waiting):  # optimizers made before any session used these parameters
+            opt.bind(self)
 
     def push_local_grads(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Move gradients autograd left on local parameters into their slots' gradients.
@@ -176,44 +152,38 @@ class TrainingClient:
         if not todo:
             return todo
         self.bind_stale(todo)
-        metas, frames = [], []
-        for p in todo:
-            meta, buf = tensor_to_wire(p.grad, len(frames))
-            metas.append(meta)
-            frames.append(buf)
-        self.request(m.AccumulateGrads([self.slots.lookup(p).sid for p in todo], metas), frames)
+        w = FrameWriter()
+        metas = [w.meta(p.grad) for p in todo]
+        self.request(m.AccumulateGrads([self.slots.lookup(p).sid for p in todo], metas), w.frames)
         for p in todo:
             p.grad = None
         return todo
 
     # ---------------------------------------------------------------------- run
-    def run(self, graph: RemoteGraph, args: Sequence) -> list:
+    def run(self, graph: Graph, args: Sequence) -> list:
         """Run a graph with resident state; saved outputs of a forward come back as placeholders."""
-        s = self.session
-        with s._lock:
-            for attempt in range(2):
-                try:
-                    s._ensure_graph(graph)
-                    req, frames, call = self._pack(graph, args)
-                    reply, out_frames = self.request(req, frames)
-                    break
-                except errors.MissingObjectsError as exc:
-                    if attempt or any(str(i).startswith(_UNRECOVERABLE) for i in exc.tensors):
-                        raise
-                    s._graphs_on_worker.difference_update(exc.graphs)
-                    s._tensors_on_worker.difference_update(exc.tensors)
-            s._stats["remote_calls"] += 1
-            s._stats["remote_ms"] += reply.run_ms
-            return self._unpack(graph, reply, out_frames, call)
+        conn = self.connection
+        calls: list[ForwardCall] = []
 
-    def _pack(self, graph: RemoteGraph, args: Sequence) -> tuple[m.RunResident, list, ForwardCall]:
+        def build():
+            req, frames, call = self._pack(graph, args)
+            calls.append(call)
+            return self.with_pending(req), frames
+
+        with conn.lock:
+            reply, frames = conn.call(build, graph)
+            conn.stats["remote_calls"] += 1
+            conn.stats["remote_ms"] += reply.run_ms
+            return self._unpack(graph, reply, frames, calls[-1])
+
+    def _pack(self, graph: Graph, args: Sequence) -> tuple[m.RunResident, list, ForwardCall]:
         call = ForwardCall(len(args))
-        resident = set(graph.resident)
+        resident = graph.resident_set
         slotted = {i for i in graph.resident if self._wants_slot(graph, args[i])}
         self.bind_stale([args[i] for i in graph.resident if i in slotted])
         plain = [i for i in graph.resident if i not in slotted]
         refs = dict(zip(plain, self._content_ids([args[i] for i in plain])))
-        run_args, frames = [], []
+        w, run_args = FrameWriter(), []
         backward_of: ForwardCall | None = None
         for i, a in enumerate(args):
             hid = handle_of(a)
@@ -229,12 +199,8 @@ class TrainingClient:
                     call.slots[i] = slot.sid
                     call.params[i] = a
                 run_args.append(m.SlotArg(slot.sid))
-            elif isinstance(a, torch.Tensor):
-                meta, buf = tensor_to_wire(a, len(frames))
-                run_args.append(m.TensorArg(meta))
-                frames.append(buf)
             else:
-                run_args.append(m.ScalarArg(_scalar(a)))
+                run_args.append(w.value(a))
         keep_from, base = -1, 0
         if graph.saved_from is not None:
             keep_from = graph.saved_from
@@ -244,53 +210,42 @@ class TrainingClient:
             grads = [[i, sid] for i, sid in backward_of.slots.items()
                      if accumulated_by_this_backward(backward_of.params[i])]
         req = m.RunResident(graph.graph_id, graph.engine, run_args, keep_from, base, grads)
-        return req, frames, call
+        return req, w.frames, call
 
     def _content_ids(self, tensors: list) -> list[str]:
-        """The session's content ids for resident tensors that do not train (buffers, frozen weights).
+        """Content ids for resident tensors that do not train (buffers, frozen weights).
 
         A training forward typically updates buffers (batch norm statistics):
         the new value gets a new id and is uploaded, and the superseded one is
         released on the worker, or it would hold one copy per step.
         """
-        s = self.session
-        ids, before, uploads = [], [], []
-        for t in tensors:
-            entry = s._resident.get(id(t))
-            same = entry is not None and entry[0]() is t
-            before.append(entry[2] if same else None)
-            if not same or entry[1] != t._version:
-                entry = s._remember(t)
-            tid = entry[2]
-            if tid not in s._tensors_on_worker and all(tid != u[0] for u in uploads):
-                uploads.append((tid, t))
-            ids.append(tid)
-        if uploads:
-            s._upload_tensors(uploads)
+        conn = self.connection
+        replaced = [conn.ids.get(t)[1] for t in tensors]  # hashes what changed; refs() then finds it
+        ids = conn.refs(tensors)
         live = set(ids)
-        for old in before:
-            if old is not None and old not in live and old in s._tensors_on_worker:
-                s._tensors_on_worker.discard(old)
-                self._superseded.append(old)
+        for previous in replaced:
+            if previous is not None and previous not in live and previous in conn.tensors:
+                conn.tensors.discard(previous)
+                self._superseded.append(previous)
         return ids
 
-    def _wants_slot(self, graph: RemoteGraph, t) -> bool:
+    def _wants_slot(self, graph: Graph, t) -> bool:
         if not isinstance(t, torch.Tensor):
             return False
         if graph.saved_from is not None and t.requires_grad:
             return True  # a trainable parameter of a training forward
         return self.slots.lookup(t) is not None
 
-    def _unpack(self, graph: RemoteGraph, reply, frames: list, call: ForwardCall) -> list:
+    def _unpack(self, graph: Graph, reply, frames: list, call: ForwardCall) -> list:
         if not isinstance(reply, m.ResidentReply) or len(reply.outputs) != len(graph.output_devices):
             raise errors.ProtocolError("worker answered a training run with the wrong reply")
-        outs = []
+        reader, outs = FrameReader(frames), []
         for arg, device in zip(reply.outputs, graph.output_devices):
             if isinstance(arg, m.HandleArg):
                 outs.append(self.handles.placeholder(arg.id, call))
                 self.handles.seen(arg.id)
             else:
-                outs.append(arg_to_value(arg, frames, device))
+                outs.append(reader.value(arg, device))
         return outs
 
     # --------------------------------------------------------------------- pull
@@ -315,8 +270,7 @@ class TrainingClient:
 
     def pull_tensors(self, tensors: Sequence[torch.Tensor], grads: bool = False) -> int:
         """Copy slot values (and gradients) from the worker into these local tensors."""
-        s = self.session
-        with s._lock:
+        with self.connection.lock:
             pairs = [(t, self.slots.lookup(t)) for t in tensors]
             pairs = [(t, slot) for t, slot in pairs if slot is not None and slot.version >= 0]
             if not pairs:
@@ -325,14 +279,15 @@ class TrainingClient:
             reply, frames = self.request(m.PullSlots([slot.sid for _, slot in pairs], grads))
             if not isinstance(reply, m.PullReply) or len(reply.values) != len(pairs):
                 raise errors.ProtocolError("worker answered a pull with the wrong reply")
+            reader = FrameReader(frames)
             for (t, slot), meta in zip(pairs, reply.values):
                 with torch.no_grad():
-                    t.copy_(tensor_from_wire(meta, frames[meta.frame]))
+                    t.copy_(reader.tensor(meta))
                 slot.version = t._version
                 slot.stepped = False
             for (t, slot), meta in zip(pairs, reply.grads if grads else []):
                 if slot.optims:  # other gradients live in p.grad already
-                    t.grad = None if meta is None else tensor_from_wire(meta, frames[meta.frame]).clone().to(t.device)
+                    t.grad = None if meta is None else reader.tensor(meta).clone().to(t.device)
         return len(pairs)
 
 
@@ -354,7 +309,4 @@ def accumulated_by_this_backward(t: torch.Tensor) -> bool:
         return True
 
 
-def _scalar(a):
-    if a is None or isinstance(a, (bool, int, float)):
-        return a
-    raise errors.UnsupportedGraphError(f"argument of type {type(a).__name__} cannot travel")
+Session.training_factory = TrainingClient

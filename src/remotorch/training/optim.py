@@ -17,11 +17,12 @@ from collections.abc import Callable
 
 import torch
 
+from ..client.session import default_session
 from ..codec import messages as m
-from ..codec.tensors import tensor_from_wire, tensor_to_wire
+from ..codec.frames import SCALARS, FrameReader, FrameWriter
 from ..errors import ForeignParameterError, ProtocolError
-from .params import owner_of
-from .client import training_client
+from .client import TrainingClient
+from .params import owner_of_live, wait_for_binding
 
 _PLAIN = (bool, int, float, str, type(None))
 _MISSING = object()
@@ -41,9 +42,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
     """``optimizer_class`` (any class of ``torch.optim``) running on the session's worker.
 
     ``params`` and the keyword hyperparameters are what ``optimizer_class``
-    takes. The session is ``session``, else the one already holding the
-    parameters, else the default session. Parameters held by another session
-    raise :class:`~remotorch.errors.ForeignParameterError`.
+    takes. The session is ``session``; without it, the session whose worker
+    holds the parameters, or, when none does yet, the session of the first
+    compiled forward that uses them (so ``RemoteOptimizer`` may be made
+    before the first forward without naming the session); a ``step()``
+    before any forward binds it to the default session. Parameters held by
+    another session raise :class:`~remotorch.errors.ForeignParameterError`.
 
     Gradients live on the worker: after ``loss.backward()`` the local
     ``p.grad`` stays ``None`` (``session.pull(module, grads=True)`` fetches
@@ -60,50 +64,74 @@ class RemoteOptimizer(torch.optim.Optimizer):
         defaults = optimizer_class([torch.zeros(1, requires_grad=True)], **hyperparameters).defaults
         super().__init__(params, dict(defaults))
         self.optimizer_class = optimizer_class
-        params_all = [p for g in self.param_groups for p in g["params"]]
-        self.session = session if session is not None else self._session_of(params_all)
-        self._client = training_client(self.session)
+        self._client: TrainingClient | None = None
+        self._id: int | None = None
         self._sent = [self._hyper(g) for g in self.param_groups]
-        with self.session._lock:
-            self._client.bind_stale(params_all)
-            self._id = self._client.new_optim_id()
-            groups = [[self._client.slots.lookup(p) for p in g["params"]] for g in self.param_groups]
-            self._client.request(m.OptimCreate(self._id, name, [[slot.sid for slot in g] for g in groups],
-                                               self._sent))
+        client = session.stateful() if session is not None else _holder(self._params())
+        if client is not None:
+            self.bind(client)
+        else:  # bound by the first session that puts one of these parameters in a slot
+            for p in self._params():
+                wait_for_binding(p, self)
+
+    @property
+    def bound(self) -> bool:
+        """True once the optimizer exists on a worker."""
+        return self._client is not None
+
+    def bind(self, client: TrainingClient) -> None:
+        """Create the optimizer on ``client``'s worker over its parameters' slots (once)."""
+        if self._client is not None:
+            if client is not self._client:
+                raise ForeignParameterError("this optimizer's parameters are used by different sessions")
+            return
+        params = self._params()
+        with client.connection.lock:
+            self._client = client  # first: binding the slots below may come back here
+            try:
+                client.bind_stale(params)
+                oid = client.new_optim_id()
+                groups = [[client.slots.lookup(p) for p in g["params"]] for g in self.param_groups]
+                client.request(m.OptimCreate(oid, self.optimizer_class.__name__,
+                                             [[slot.sid for slot in g] for g in groups], self._sent))
+            except BaseException:
+                self._client = None
+                raise
+            self._id = oid
             for group in groups:
                 for slot in group:
-                    slot.optims.add(self._id)
-        weakref.finalize(self, self._client.drop_optim, self._id)
+                    slot.optims.add(oid)
+            weakref.finalize(self, client.drop_optim, oid)
+            if self.state:  # loaded before the optimizer had a worker
+                self._send_state()
 
-    @staticmethod
-    def _session_of(params: list):
-        from ..client.session import default_session
-        owners = {id(o): o for o in (owner_of(p) for p in params) if o is not None and not o._closed}
-        if len(owners) > 1:
-            raise ForeignParameterError("these parameters are held by different sessions")
-        return next(iter(owners.values())) if owners else default_session()
+    def _bound(self) -> TrainingClient:
+        """The training client, binding to the parameters' session (or the default one) first if needed."""
+        if self._client is None:
+            self.bind(_holder(self._params()) or default_session().stateful())
+        return self._client
 
     @staticmethod
     def _hyper(group: dict) -> dict:
         return {k: _plain(k, v) for k, v in group.items() if k != "params"}
 
     def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "_id", None) is not None:
+        if getattr(self, "_sent", None) is not None:
             raise NotImplementedError("RemoteOptimizer: parameter groups cannot be added after creation")
         super().add_param_group(param_group)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _prepare(self) -> list[torch.Tensor]:
+    def _prepare(self, client: TrainingClient) -> list[torch.Tensor]:
         """Parameters changed locally are re-sent, local gradients moved to the worker.
 
         Returns the parameters that had local gradients: local code uses them,
         so after a step their new values are brought back.
         """
         params = self._params()
-        self._client.bind_stale(params)
-        return self._client.push_local_grads(params)
+        client.bind_stale(params)
+        return client.push_local_grads(params)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
@@ -117,21 +145,21 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        client = self._bound()
         hyper = [self._hyper(g) for g in self.param_groups]
         changed = [{k: v for k, v in h.items() if sent.get(k, _MISSING) != v}
                    for h, sent in zip(hyper, self._sent)]
         while changed and not changed[-1]:
             changed.pop()
-        s = self.session
-        with s._lock:
-            used_locally = self._prepare()
-            self._client.request(m.OptimStep(self._id, changed))
+        with client.connection.lock:
+            used_locally = self._prepare(client)
+            client.request(m.OptimStep(self._id, changed))
             for p in self._params():
-                slot = self._client.slots.lookup(p)
+                slot = client.slots.lookup(p)
                 if slot is not None:
                     slot.stepped = True
             if used_locally:
-                self._client.pull_tensors(used_locally)
+                client.pull_tensors(used_locally)
         self._sent = hyper
         return loss
 
@@ -140,6 +168,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
         ``set_to_none=True`` (the default) costs no round trip: it rides on
         the next request to the worker, which runs it before anything else.
+        Before the optimizer has a worker there is nothing remote to clear.
         """
         for p in self._params():
             if p.grad is not None:
@@ -147,46 +176,53 @@ class RemoteOptimizer(torch.optim.Optimizer):
                     p.grad = None
                 else:
                     p.grad.detach_().zero_()
-        s = self.session
-        with s._lock:
+        client = self._client
+        if client is None:
+            return
+        with client.connection.lock:
             if set_to_none:
-                self._client.defer_zero_grad(self._id)
+                client.defer_zero_grad(self._id)
             else:
-                self._client.request(m.OptimZeroGrad(self._id, False))
+                client.request(m.OptimZeroGrad(self._id, False))
 
     def state_dict(self) -> dict:
         """PyTorch's optimizer ``state_dict()``, with the per-parameter state fetched from the worker."""
         sd = super().state_dict()
-        with self.session._lock:
-            reply, frames = self._client.request(m.OptimGetState(self._id))
+        client = self._client
+        if client is None:
+            return sd  # no worker yet: the state (if loaded) is still here
+        with client.connection.lock:
+            reply, frames = client.request(m.OptimGetState(self._id))
         if not isinstance(reply, m.OptimStateReply):
             raise ProtocolError("worker answered optimizer state with the wrong reply")
-        state: dict[int, dict] = {}
+        reader, state = FrameReader(frames), {}
         for idx, key, value in reply.entries:
-            state.setdefault(idx, {})[key] = (tensor_from_wire(value.meta, frames[value.meta.frame]).clone()
-                                              if isinstance(value, m.TensorArg) else value.value)
+            v = reader.value(value)
+            state.setdefault(idx, {})[key] = v.clone() if isinstance(v, torch.Tensor) else v
         sd["state"] = state
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load hyperparameters here and per-parameter state into the worker's optimizer."""
         super().load_state_dict(state_dict)
+        if self._client is None:  # created on a worker later, with these hyperparameters and state
+            self._sent = [self._hyper(g) for g in self.param_groups]
+        else:
+            self._send_state()
+
+    def _send_state(self) -> None:
         index = {id(p): i for i, p in enumerate(self._params())}
-        entries, frames = [], []
+        w, entries = FrameWriter(), []
         for p, per_param in self.state.items():
             for key, value in per_param.items():
-                if isinstance(value, torch.Tensor):
-                    meta, buf = tensor_to_wire(value, len(frames))
-                    entries.append((index[id(p)], key, m.TensorArg(meta)))
-                    frames.append(buf)
-                elif value is None or isinstance(value, (bool, int, float)):
-                    entries.append((index[id(p)], key, m.ScalarArg(value)))
-                else:
+                if not isinstance(value, (torch.Tensor, *SCALARS)):
                     raise TypeError(f"optimizer state {key!r} of type {type(value).__name__} cannot "
                                     "travel to the worker")
+                entries.append((index[id(p)], key, w.value(value)))
+        client = self._client
+        with client.connection.lock:
+            client.request(m.OptimSetState(self._id, entries), w.frames)
         self.state.clear()  # the state lives on the worker
-        with self.session._lock:
-            self._client.request(m.OptimSetState(self._id, entries), frames)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -194,11 +230,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
         Returns the total norm of the gradients before clipping, as a 0-d tensor.
         """
-        s = self.session
-        with s._lock:
-            self._prepare()
-            reply, _ = self._client.request(m.ClipGradNorm(self._id, float(max_norm), float(norm_type),
-                                                 bool(error_if_nonfinite)))
+        client = self._bound()
+        with client.connection.lock:
+            self._prepare(client)
+            reply, _ = client.request(m.ClipGradNorm(self._id, float(max_norm), float(norm_type),
+                                                     bool(error_if_nonfinite)))
         if not isinstance(reply, m.NormReply):
             raise ProtocolError("worker answered clip_grad_norm_ with the wrong reply")
         return torch.tensor(reply.norm)
@@ -206,3 +242,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"RemoteOptimizer({self.optimizer_class.__name__}, groups={len(self.param_groups)})"
 
+
+def _holder(params: list):
+    """The training client whose worker holds these parameters now, or None; several: an error."""
+    owners = {id(o): o for o in (owner_of_live(p) for p in params) if o is not None}
+    if len(owners) > 1:
+        raise ForeignParameterError("these parameters are held by different sessions")
+    return next(iter(owners.values()), None)

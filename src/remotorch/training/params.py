@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 _OWNER_ATTR = "_remotorch_owner"
+_WAITING_ATTR = "_remotorch_waiting_optimizers"
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Slot:
 
 
 class ParamSlots:
-    """Slots of one session, by local tensor identity."""
+    """Slots of one worker-side session (a training client), by local tensor identity."""
 
     def __init__(self, owner: object) -> None:
         self._owner = weakref.ref(owner)
@@ -90,6 +91,33 @@ class ParamSlots:
 
 
 def owner_of(t: torch.Tensor):
-    """The object (a session) whose slots claim this tensor, or None."""
+    """The training client whose slots claim (or claimed) this tensor, or None."""
     ref = getattr(t, _OWNER_ATTR, None)
     return ref() if ref is not None else None
+
+
+def owner_of_live(t: torch.Tensor):
+    """The training client that holds this tensor in a slot now (its session open), or None."""
+    owner = owner_of(t)
+    if owner is None or owner.closed or owner.slots.lookup(t) is None:
+        return None
+    return owner
+
+
+def wait_for_binding(t: torch.Tensor, optimizer) -> None:
+    """Remember that ``optimizer`` binds to whichever session first puts ``t`` in a slot."""
+    waiting = getattr(t, _WAITING_ATTR, None)
+    if waiting is None:
+        waiting = weakref.WeakSet()
+        setattr(t, _WAITING_ATTR, waiting)
+    waiting.add(optimizer)
+
+
+def waiting_optimizers(t: torch.Tensor) -> list:
+    """Optimizers over ``t`` still waiting for a session (see :func:`wait_for_binding`); taken off it."""
+    waiting = getattr(t, _WAITING_ATTR, None)
+    if not waiting:
+        return []
+    out = list(waiting)
+    waiting.clear()
+    return out

@@ -10,13 +10,17 @@ import logging
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from ..codec.graph import DecodedGraph, decode_graph, graph_id
+from ..codec import messages as m
+from ..codec.frames import FrameReader
 from ..codec.messages import TensorMeta
-from ..codec.tensors import content_id, dtype_from_name, tensor_from_wire
+from ..codec.tensors import content_id, dtype_from_name
 from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsError,
                       RemoteOutOfMemoryError, RequestTimeoutError, UnsupportedGraphError, WorkerError)
 from . import engines, quota
@@ -26,6 +30,9 @@ from .timing import MAX_REPEATS, MAX_WARMUPS, TimedRuns, time_runs
 from .training import TrainingState
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_MISSING = object()  # a RefArg the session does not hold (reported with the others)
 
 
 def resolve_device(spec: str = "auto") -> torch.device:
@@ -56,6 +63,24 @@ class _Graph:
             else:
                 checks.append("scalar" if meta.get("kind") == "scalar" else None)
         return cls(decoded, checks, {}, threading.Lock())
+
+
+@dataclass(frozen=True)
+class Ran:
+    """One graph run: its outputs, the worker's milliseconds, whether it compiled, the inputs it took."""
+
+    outputs: list
+    ms: float
+    compiled: bool
+    inputs: list
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    fn: Callable
+    values: list
+    compiled: bool
+    compile_ms: float
 
 
 @dataclass(frozen=True)
@@ -137,7 +162,8 @@ class Worker:
             self._reserve(session, size)
             if self._graphs.adopt(session, gid):  # same verified bytes: reuse (compiled engines too)
                 return
-            tensors = [self.wire_tensor(m, frames) for m in consts]
+            reader = self.reader(frames)
+            tensors = [reader.tensor(meta) for meta in consts]
             decoded = decode_graph(doc, tensors, self.device)
             self._graphs.put(session, gid, _Graph.build(decoded), size)
 
@@ -160,7 +186,7 @@ class Worker:
                 raise InvalidRequestError(f"tensor id {tid[:16]}… does not match its content")
             if self._tensors.adopt(session, tid):
                 continue
-            tensor = self.wire_tensor(meta, frames).to(self.device)
+            tensor = self.reader(frames).tensor(meta).to(self.device)
             self._tensors.put(session, tid, tensor, tensor.numel() * tensor.element_size())
 
     def release_tensors(self, session: object, ids) -> None:
@@ -173,68 +199,103 @@ class Worker:
             raise MissingObjectsError("worker does not hold this tensor for this session", tensors=[tid])
         return self._tensors.get(session, tid)
 
-    def wire_tensor(self, meta: TensorMeta, frames) -> torch.Tensor:
-        if not 0 <= meta.frame < len(frames):
-            raise InvalidRequestError("tensor names a frame the message does not have")
-        if frames[meta.frame].nbytes > self.limits.max_tensor_bytes:
-            raise LimitExceededError(f"tensor of {frames[meta.frame].nbytes} bytes is over the worker's limit")
-        try:
-            return tensor_from_wire(meta, frames[meta.frame])
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
+    def reader(self, frames) -> FrameReader:
+        """A request's frames as tensors, under this worker's size limit (bad references: InvalidRequestError)."""
+        return FrameReader(frames, error=InvalidRequestError, max_bytes=self.limits.max_tensor_bytes)
 
     # ----------------------------------------------------------------------- run
-    def run(self, session: object, gid: str, engine: str, args: list, frames) -> tuple[list, float, bool]:
-        """Run a graph; ``args`` are tensors/scalars or ``("ref", id)``. Returns (outputs, ms, compiled)."""
-        values, missing_t = [], []
-        tensors, on_cpu = self._tensors, self.device.type == "cpu"
-        for a in args:
-            if type(a) is tuple:
-                try:
-                    values.append(tensors.get(session, a[1]))
-                except KeyError:
-                    missing_t.append(a[1])
-            elif on_cpu or not isinstance(a, torch.Tensor):
-                values.append(a)
-            else:
-                values.append(a.to(self.device))
+    def run(self, session: object, gid: str, engine: str, args: list, frames) -> Ran:
+        """Run a graph once on an engine: its outputs, milliseconds, whether this call compiled it.
+
+        ``args`` are wire arguments (``TensorArg`` in ``frames``, ``RefArg``,
+        ``ScalarArg``, and for training ``HandleArg``/``SlotArg``).
+        """
+        prep = self._prepare(session, gid, engine, args, frames)
+        out, ms = self._guarded(engine, lambda: self._call(prep.fn, prep.values))
+        return Ran(_as_list(out), ms, prep.compiled, prep.values)
+
+    def profile(self, session: object, gid: str, engine: str, args: list, frames, *,
+                warmups: int, repeats: int) -> tuple[list, TimedRuns, bool, float]:
+        """Run a graph ``warmups`` times untimed, then ``repeats`` times timed, on one engine.
+
+        Returns (outputs of the last run, the timed runs, whether this call
+        compiled the graph for the engine, compile milliseconds). Compiling is
+        never part of the timed runs; the whole series is one run as far as
+        the request timeout and out-of-memory handling go.
+        """
+        if not (0 <= warmups <= MAX_WARMUPS and 1 <= repeats <= MAX_REPEATS):
+            raise InvalidRequestError(f"warmups must be 0…{MAX_WARMUPS} and repeats 1…{MAX_REPEATS}")
+        prep = self._prepare(session, gid, engine, args, frames)
+        runs = self._guarded(engine, lambda: time_runs(prep.fn, prep.values, self.device, warmups, repeats))
+        return _as_list(runs.outputs), runs, prep.compiled, prep.compile_ms
+
+    def _prepare(self, session: object, gid: str, engine: str, args: list, frames) -> _Prepared:
+        """The graph, its engine's callable and the argument values, checked; the same for every kind of run."""
+        values = self.values(session, args, frames)
+        missing_t = [a.id for a, v in zip(args, values) if v is _MISSING]
         missing_g = self._graphs.missing(session, [gid])
         if missing_t or missing_g:
             raise MissingObjectsError("worker does not hold these objects for this session",
                                       graphs=missing_g, tensors=missing_t)
         graph: _Graph = self._graphs.get(session, gid)
         self._check_args(graph, values)
+        start = time.perf_counter()
         fn, compiled = self._compiled(graph, engine, values)
-        try:
-            out, ms = self._call_with_retry(fn, values, engine)
-        except DeadlineExpired:
-            raise RequestTimeoutError(f"graph ran longer than the worker's request timeout of "
-                                      f"{self.limits.request_timeout:g}s and was stopped") from None
-        outs = list(out) if isinstance(out, (list, tuple)) else [out]
-        return outs, ms, compiled
+        return _Prepared(fn, values, compiled, (time.perf_counter() - start) * 1e3 if compiled else 0.0)
 
-    def _call_with_retry(self, fn, values: list, engine: str) -> tuple:
-        """Run once; out of memory evicts cached objects no session holds and runs once more."""
-        try:
-            return self._call(fn, values)
-        except Exception as exc:
-            if not quota.is_out_of_memory(exc) or not quota.release_cached(
-                    (self._tensors, self._graphs), self.device):
-                raise self._run_error(exc, engine) from None
-        try:
-            return self._call(fn, values)
-        except Exception as exc:
-            raise self._run_error(exc, engine) from None
+    def values(self, session: object, args: list, frames) -> list:
+        """Wire arguments as the values a graph takes, on this worker's device.
+
+        A ``RefArg`` the session does not hold becomes ``_MISSING`` (so all
+        of them are reported at once); a handle or slot it does not hold
+        raises ``MissingObjectsError`` at once (the client cannot re-upload it).
+        """
+        reader, tensors, device = self.reader(frames), self._tensors, self.device
+        on_cpu = device.type == "cpu"
+        values = []
+        for a in args:
+            if isinstance(a, m.RefArg):
+                try:
+                    values.append(tensors.get(session, a.id))
+                except KeyError:
+                    values.append(_MISSING)
+            elif isinstance(a, m.ScalarArg):
+                values.append(a.value)
+            elif isinstance(a, m.TensorArg):
+                t = reader.tensor(a.meta)
+                values.append(t if on_cpu else t.to(device))
+            elif isinstance(a, m.HandleArg):
+                values.append(self.training.handle(session, a.id))
+            elif isinstance(a, m.SlotArg):
+                values.append(self.training.slot(session, a.id).detach())
+            else:
+                raise InvalidRequestError(f"{type(a).__name__} is not a graph argument")
+        return values
+
+    def _guarded(self, engine: str, body: Callable[[], _T]) -> _T:
+        """Run ``body`` (graph runs) under the request timeout; out of memory evicts what no
+        session holds and runs it once more; any failure becomes a typed error."""
+        for attempt in range(2):
+            try:
+                with torch.no_grad(), deadline(self.limits.request_timeout):
+                    return body()
+            except DeadlineExpired:
+                raise RequestTimeoutError(f"graph ran longer than the worker's request timeout of "
+                                          f"{self.limits.request_timeout:g}s and was stopped") from None
+            except Exception as exc:
+                if attempt or not quota.is_out_of_memory(exc) or not quota.release_cached(
+                        (self._tensors, self._graphs), self.device):
+                    raise self._run_error(exc, engine) from None
+        raise AssertionError("unreachable")
 
     def _call(self, fn, values: list) -> tuple:
-        with torch.no_grad(), deadline(self.limits.request_timeout):
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            start = time.perf_counter()
-            out = fn(*values)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            return out, (time.perf_counter() - start) * 1e3
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        out = fn(*values)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return out, (time.perf_counter() - start) * 1e3
 
     @staticmethod
     def _run_error(exc: BaseException, engine: str) -> WorkerError:
@@ -290,37 +351,6 @@ class Worker:
                 raise InvalidRequestError(f"argument {i}: expected {dtype} of rank {rank} with sizes "
                                           f"{dict(fixed)}, got {v.dtype}{list(v.shape)}")
 
-    # ------------------------------------------------------------------- profile
-    def profile(self, session: object, gid: str, engine: str, args: list, frames, *,
-                warmups: int, repeats: int) -> tuple[list, TimedRuns, bool, float]:
-        """Run a graph ``warmups`` times untimed, then ``repeats`` times timed, on one engine.
 
-        Returns (outputs of the last run, the timed runs, whether this call
-        compiled the graph for the engine, compile milliseconds). Compiling is
-        never part of the timed runs.
-        """
-        if not (0 <= warmups <= MAX_WARMUPS and 1 <= repeats <= MAX_REPEATS):
-            raise InvalidRequestError(f"warmups must be 0…{MAX_WARMUPS} and repeats 1…{MAX_REPEATS}")
-        missing_t = self._tensors.missing(session, [a[1] for a in args if isinstance(a, tuple)])
-        missing_g = self._graphs.missing(session, [gid])
-        if missing_t or missing_g:
-            raise MissingObjectsError("worker does not hold these objects for this session",
-                                      graphs=missing_g, tensors=missing_t)
-        graph: _Graph = self._graphs.get(session, gid)
-        values = [self._tensors.get(session, a[1]) if isinstance(a, tuple) else a for a in args]
-        values = [v.to(self.device) if isinstance(v, torch.Tensor) and v.device != self.device else v
-                  for v in values]
-        self._check_args(graph, values)
-        start = time.perf_counter()
-        fn, compiled = self._compiled(graph, engine, values)
-        compile_ms = (time.perf_counter() - start) * 1e3 if compiled else 0.0
-        try:
-            runs = time_runs(fn, values, self.device, warmups, repeats)
-        except (torch.OutOfMemoryError, MemoryError) as exc:
-            raise RemoteOutOfMemoryError(f"out of memory running graph: {exc}",
-                                         remote_traceback=traceback.format_exc()) from None
-        except Exception as exc:
-            raise WorkerError(f"graph failed on {engine}: {type(exc).__name__}: {exc}",
-                              remote_traceback=traceback.format_exc()) from None
-        out = runs.outputs
-        return (list(out) if isinstance(out, (list, tuple)) else [out]), runs, compiled, compile_ms
+def _as_list(out) -> list:
+    return list(out) if isinstance(out, (list, tuple)) else [out]

@@ -1,0 +1,390 @@
+"""One worker as the client sees it: the ONE copy of the client's call policy.
+
+A :class:`Connection` owns, for one worker:
+
+* the transport and the worker-side session it attaches to on every new
+  connection (uploads survive a dropped connection for the worker's lease;
+  a background thread sends heartbeats while the connection is idle);
+* what the worker holds for it: graphs and resident tensors by content id;
+* the policy, each piece in its own method, layered as httpx's client is:
+  :meth:`call` (retry once after the worker forgot objects) →
+  :meth:`ensure_graph` / :meth:`pack_args` / :meth:`refs` (upload what is
+  missing) → :meth:`request` (a short back-off after a worker failed to
+  answer; the only method that touches the transport);
+* counters (:attr:`stats`).
+
+Sessions, training, profiling and the pipeline all run their requests
+through this public API; none keeps a copy of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from .. import errors
+from ..codec import messages as m
+from ..codec.frames import SCALARS, FrameReader, FrameWriter
+from ..codec.tensors import content_id, tensor_to_wire
+from ..transport import TcpTransport, Transport
+from ..transport.tls import client_context
+
+if TYPE_CHECKING:
+    from ..codec.graph import GraphPayload
+
+log = logging.getLogger(__name__)
+
+# MissingObjectsError ids with these prefixes name worker-side state the client
+# cannot upload again (saved activations, parameter slots, optimizers).
+UNRECOVERABLE = ("handle:", "slot:", "optim:")
+
+# (url, token) of the worker, resolved when the first request needs it
+Locate = Callable[[], tuple[str, "str | None"]]
+
+
+class Graph(Protocol):
+    """What the client needs of a captured graph (``remotorch.capture.graph.RemoteGraph`` is one)."""
+
+    graph_id: str
+    engine: str
+    payload: GraphPayload
+    resident: list[int]  # argument indices of weights and buffers: sent by content id
+    resident_set: frozenset[int]
+    output_devices: list  # the device of each output (None: not a tensor)
+    kind: str  # "inference", "forward" (of a training pair) or "backward"
+    saved_from: int | None  # forward: outputs from here on are saved for backward
+
+
+class ContentIds:
+    """Content ids of resident tensors (weights, buffers), remembered until a tensor changes.
+
+    Warm calls then cost one dict lookup per weight: the id is kept by the
+    tensor's identity and version counter, so an in-place change (which bumps
+    ``_version``) makes the next lookup hash it again. Shared by the
+    connections of a session, so each tensor is hashed once for all workers.
+    """
+
+    def __init__(self) -> None:
+        self._by_tensor: dict[int, tuple[weakref.ref, int, str]] = {}
+
+    def get(self, t: torch.Tensor) -> tuple[str, str | None]:
+        """(the tensor's content id, the id it had before when its content changed since, else None)."""
+        entry = self._by_tensor.get(id(t))
+        if entry is not None and entry[0]() is t:
+            if entry[1] == t._version:
+                return entry[2], None
+            previous = entry[2]
+        else:
+            previous = None
+        meta, buf = tensor_to_wire(t, 0)
+        tid = content_id(meta, buf)
+        key = id(t)
+
+        def forget(ref, key=key, cache=self._by_tensor):
+            if cache.get(key, (None,))[0] is ref:  # a newer tensor may have taken the same id()
+                del cache[key]
+
+        self._by_tensor[key] = (weakref.ref(t, forget), t._version, tid)
+        return tid, (previous if previous != tid else None)
+
+    def current(self, t: torch.Tensor) -> str | None:
+        """The id already known for exactly this local value, without hashing; None if unknown."""
+        entry = self._by_tensor.get(id(t))
+        if entry is not None and entry[0]() is t and entry[1] == t._version:
+            return entry[2]
+        return None
+
+
+class Connection:
+    """One worker: transport, worker-side session, upload cache, request policy and counters.
+
+    ``locate`` gives the worker's URL and token when the first request needs
+    them (the embedded worker starts then); ``transport`` replaces the socket
+    transport (e.g. an in-memory one in unit tests).
+    """
+
+    def __init__(self, locate: Locate, *, ids: ContentIds | None = None, connect_timeout: float = 5.0,
+                 timeout: float | None = 300.0, tls_ca: str | None = None, spin_s: float = 0.0,
+                 retry_after: float = 1.0, transport: Transport | None = None) -> None:
+        self._locate = locate
+        self.ids = ids if ids is not None else ContentIds()
+        self._connect_timeout = connect_timeout
+        self._timeout = timeout
+        self._tls_ca = tls_ca
+        self._spin_s = spin_s
+        self._retry_after = retry_after
+        self._transport = transport
+        if transport is not None:
+            transport.on_connect = self._attach
+        self.url: str | None = None
+        self.session_id = secrets.token_urlsafe(24)  # 192 random bits; a capability on the worker
+        self.lock = threading.RLock()  # one request (or one sequence that must stay together) at a time
+        self.graphs: set[str] = set()  # graph ids the worker holds for this session
+        self.tensors: set[str] = set()  # content ids the worker holds for this session
+        self.stats = dict(remote_calls=0, graphs_uploaded=0, tensors_uploaded=0, remote_ms=0.0)
+        self.lease_s: float | None = None
+        self.name = ""  # the worker's name (from its health reply; made unique within a session)
+        self._info: dict | None = None
+        self._down_until = 0.0
+        self._last_request = time.monotonic()
+        self._heartbeat_stop = threading.Event()
+        self._closed = False
+        self.on_reset: list[Callable[[], None]] = []  # called when the worker lost this session
+
+    # ------------------------------------------------------------------ lifetime
+    @property
+    def transport(self) -> Transport:
+        """The transport, created (not connected) on first use."""
+        if self._closed:
+            raise errors.WorkerUnavailableError("session is closed")
+        if self._transport is None:
+            url, token = self._locate()
+            self.url = url
+            self._transport = TcpTransport(url, token, protocol=m.PROTOCOL_VERSION,
+                                           connect_timeout=self._connect_timeout, timeout=self._timeout,
+                                           tls=client_context(self._tls_ca) if self._tls_ca else None,
+                                           on_connect=self._attach, spin_s=self._spin_s)
+        return self._transport
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def connected(self) -> bool:
+        """True while a connection to the worker is open (no I/O)."""
+        return self._transport is not None and self._transport.connected
+
+    def close(self, detach: bool = True) -> None:
+        """End the worker-side session (``detach``: free what it holds now, not after the lease) and close."""
+        with self.lock:
+            self._heartbeat_stop.set()
+            if detach and not self._closed and self.connected:
+                try:
+                    self._transport.set_timeout(min(2.0, self._timeout or 2.0))  # never hang in close()
+                    self._transport.request(m.encode(m.Detach()))
+                except errors.RemoteError:
+                    pass
+            self._closed = True
+            if self._transport is not None:
+                self._transport.close()
+
+    def drop(self) -> None:
+        """Close the socket only; the next request reconnects and re-attaches (the lease keeps the session)."""
+        if self._transport is not None:
+            self._transport.close()
+
+    def stop_heartbeats(self) -> None:
+        """Stop sending heartbeats (the worker then sees an idle client; tests of lease expiry use it)."""
+        self._heartbeat_stop.set()
+
+    def _attach(self, ask: Callable[[bytes], bytes]) -> None:
+        """On each new connection: name this session, learn whether the worker still holds it."""
+        try:
+            reply = m.decode(ask(m.encode(m.Attach(self.session_id))))
+        except (ValueError, TypeError) as exc:
+            raise errors.ProtocolError(f"unreadable reply from the worker: {exc}") from None
+        if isinstance(reply, m.ErrorReply):
+            raise errors.from_reply(reply.kind, reply.message, reply.traceback)
+        if not isinstance(reply, m.AttachReply):
+            raise errors.ProtocolError(f"worker answered Attach with {type(reply).__name__}")
+        if not reply.resumed:  # a new session (worker restarted, or the lease ran out): upload again
+            self.graphs.clear()
+            self.tensors.clear()
+            for hook in self.on_reset:
+                hook()
+        first, self.lease_s = self.lease_s is None, reply.lease_s
+        if first:
+            threading.Thread(target=_heartbeats, args=(weakref.ref(self), self._heartbeat_stop),
+                             name="remotorch-heartbeat", daemon=True).start()
+
+    def heartbeat(self) -> None:
+        """Keep the lease alive if idle; never opens a connection or waits on a call."""
+        if not self.lock.acquire(blocking=False):
+            return  # a call is running: that keeps the lease alive
+        try:
+            if self._closed or not self.connected:
+                return
+            self._last_request = time.monotonic()
+            self._transport.request(m.encode(m.Heartbeat()))
+        except errors.RemoteError as exc:
+            log.debug("heartbeat failed: %s", exc)
+        finally:
+            self.lock.release()
+
+    # ------------------------------------------------------------------- queries
+    def info(self, refresh: bool = False) -> dict:
+        """The worker's health reply (asked once and remembered, unless ``refresh``)."""
+        if self._info is None or refresh:
+            reply, _ = self.request(m.Health())
+            self._info = {f: getattr(reply, f) for f in reply.__struct_fields__}
+            self.name = self.name or self._info["name"]
+        return self._info
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._transport.bytes_sent if self._transport is not None else 0
+
+    @property
+    def bytes_received(self) -> int:
+        return self._transport.bytes_received if self._transport is not None else 0
+
+    # ------------------------------------------------------------------- policy
+    def call(self, build: Callable[[], tuple[object, list]], graph: Graph | None = None):
+        """Send the request ``build()`` makes (after uploading ``graph`` if the worker lacks it).
+
+        When the worker answers that it forgot graphs or tensors (it restarted,
+        or the lease ran out), they are uploaded again by calling ``build``
+        once more; state that cannot be uploaded again is raised. Returns
+        ``(reply, frames)``.
+        """
+        with self.lock:
+            for attempt in range(2):
+                try:
+                    if graph is not None:
+                        self.ensure_graph(graph)
+                    body, frames = build()
+                    return self.request(body, frames)
+                except errors.MissingObjectsError as exc:
+                    if attempt or not self.forget(exc):
+                        raise
+        raise AssertionError("unreachable")
+
+    def forget(self, exc: errors.MissingObjectsError) -> bool:
+        """Take the worker's word that it lacks these objects; False when one cannot be re-uploaded."""
+        if any(str(i).startswith(UNRECOVERABLE) for i in exc.tensors):
+            return False
+        self.graphs.difference_update(exc.graphs)
+        self.tensors.difference_update(exc.tensors)
+        return True
+
+    def run(self, graph: Graph, args: Sequence, request: Callable = m.RunGraph, *, engine: str | None = None,
+            **fields):
+        """Run a graph (plain arguments, resident ones by content id); returns ``(reply, frames)``.
+
+        ``engine`` overrides the graph's; ``request`` and ``fields`` make
+        other run messages of the same shape (``ProfileGraph`` with
+        ``warmups`` and ``repeats``).
+        """
+        engine = engine or graph.engine
+
+        def build():
+            run_args, frames = self.pack_args(graph, args)
+            return request(graph.graph_id, engine, run_args, **fields), frames
+
+        reply, frames = self.call(build, graph)
+        self.stats["remote_calls"] += 1
+        self.stats["remote_ms"] += getattr(reply, "run_ms", 0.0)
+        return reply, frames
+
+    def ensure_graph(self, graph: Graph) -> None:
+        """Upload the graph unless the worker holds it for this session."""
+        if graph.graph_id in self.graphs:
+            return
+        p = graph.payload
+        self.request(m.PutGraph(p.graph_id, p.doc, p.consts), p.const_frames)
+        self.graphs.add(graph.graph_id)
+        self.stats["graphs_uploaded"] += 1
+
+    def pack_args(self, graph: Graph, args: Sequence) -> tuple[list, list]:
+        """Wire arguments: resident tensors by content id (uploading what the worker lacks), others inline."""
+        resident = graph.resident_set
+        w, run_args, uploads = FrameWriter(), [], {}
+        for i, a in enumerate(args):
+            if i in resident and isinstance(a, torch.Tensor):
+                tid = self.ids.get(a)[0]
+                if tid not in self.tensors:
+                    uploads[tid] = a
+                run_args.append(m.RefArg(tid))
+            else:
+                run_args.append(w.value(a))
+        if uploads:
+            self.upload(uploads)
+        return run_args, w.frames
+
+    def refs(self, tensors: Sequence[torch.Tensor]) -> list[str]:
+        """Content ids of resident tensors, uploading those the worker lacks."""
+        ids, uploads = [], {}
+        for t in tensors:
+            tid = self.ids.get(t)[0]
+            if tid not in self.tensors:
+                uploads[tid] = t
+            ids.append(tid)
+        if uploads:
+            self.upload(uploads)
+        return ids
+
+    def held(self, t: torch.Tensor) -> str | None:
+        """The content id the worker already holds for this exact local value, if any (no hashing)."""
+        tid = self.ids.current(t)
+        return tid if tid is not None and tid in self.tensors else None
+
+    def upload(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Store tensors on the worker under their content ids (one ``PutTensors``)."""
+        w = FrameWriter()
+        metas = [w.meta(t) for t in tensors.values()]
+        self.request(m.PutTensors(list(tensors), metas), w.frames)
+        self.tensors.update(tensors)
+        self.stats["tensors_uploaded"] += len(tensors)
+
+    def request(self, body, frames: Sequence = ()):
+        """Send one request; the decoded reply and its frames, or its error raised as a ``RemoteError``."""
+        if time.monotonic() < self._down_until:
+            raise errors.WorkerUnavailableError(f"worker {self.url or 'local'} failed moments ago; "
+                                                f"not retrying for {self._retry_after}s")
+        transport = self.transport
+        self._last_request = time.monotonic()
+        try:
+            header, out = transport.request(m.encode(body), frames)
+        except errors.WorkerUnavailableError:
+            self._down_until = time.monotonic() + self._retry_after
+            raise
+        return parse_reply(header, self.url), out
+
+    def __repr__(self) -> str:
+        return f"Connection({self.name or self.url or 'embedded'})"
+
+
+def parse_reply(header: bytes, url: str | None) -> object:
+    """Decode a reply's frame 0; an ``ErrorReply`` is raised as its ``RemoteError``."""
+    try:
+        reply = m.decode(header)
+    except Exception as exc:
+        raise errors.ProtocolError(f"unreadable reply from worker {url or 'local'}: {exc}") from None
+    if isinstance(reply, m.ErrorReply):
+        raise errors.from_reply(reply.kind, reply.message, reply.traceback, reply.graphs, reply.tensors)
+    return reply
+
+
+def unpack_outputs(graph: Graph, outputs: list, frames: list) -> list:
+    """A reply's outputs as values on the devices the graph's outputs live on."""
+    if len(outputs) != len(graph.output_devices):
+        raise errors.ProtocolError("worker returned the wrong number of outputs")
+    reader = FrameReader(frames)
+    return [reader.value(arg, device) for arg, device in zip(outputs, graph.output_devices)]
+
+
+def _heartbeats(ref: weakref.ref, stop: threading.Event) -> None:
+    """Background thread: a heartbeat whenever the connection was idle a third of its lease."""
+    while True:
+        conn = ref()
+        if conn is None or stop.is_set():
+            return
+        interval = max((conn.lease_s or 30.0) / 3, 0.05)
+        wait = conn._last_request + interval - time.monotonic()
+        if wait <= 0:
+            conn.heartbeat()
+            wait = interval
+        del conn
+        if stop.wait(wait):
+            return
+
+
+__all__ = ["Connection", "ContentIds", "SCALARS", "parse_reply", "unpack_outputs"]

@@ -1,0 +1,278 @@
+"""The worker's service: one request message in, one reply message out. No sockets.
+
+:class:`Service` decodes a request (frame 0 and its buffer frames), checks
+it, calls the :class:`~remotorch.worker.worker.Worker` and encodes the reply.
+Every failure becomes an ``ErrorReply`` naming a ``remotorch.errors`` kind and
+the service keeps serving. It also keeps the lease table: which worker-side
+session each connection serves (``Attach``), and which sessions' leases ran
+out (:meth:`Service.reap`). The socket loop (:mod:`remotorch.worker.server`)
+calls it for each message; tests may call it in-process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Callable
+
+import msgspec
+import torch
+
+from ..codec import messages as m
+from ..codec.frames import SCALARS, FrameWriter
+from ..errors import (InvalidRequestError, LimitExceededError, ProtocolError, RemoteError,
+                      RemoteOutOfMemoryError, WorkerError)
+from .leases import SESSION_ID, LeaseTable
+from .worker import Worker
+
+log = logging.getLogger(__name__)
+
+Reply = tuple[bytes, list]
+
+
+def error_reply(exc: RemoteError) -> bytes:
+    """A typed failure as the reply header (missing objects listed, for the client to re-upload)."""
+    return m.encode(m.ErrorReply(exc.kind, exc.message, exc.remote_traceback,
+                                 getattr(exc, "graphs", []), getattr(exc, "tensors", [])))
+
+
+def _ok() -> Reply:
+    return m.encode(m.Ok()), []
+
+
+class Service:
+    """Message dispatch for one worker, with the lease table of its sessions.
+
+    ``close_connection(cid)`` is how the service asks the transport to drop a
+    connection (one displaced by a reconnect, or one whose session expired).
+    """
+
+    def __init__(self, worker: Worker, *, lease_s: float = 30.0, max_message_bytes: int | None = None,
+                 close_connection: Callable[[int], None] = lambda cid: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.worker = worker
+        self.max_message_bytes = max_message_bytes
+        self.leases = LeaseTable(lease_s, clock)
+        self.close_connection = close_connection
+        self._connections: set[int] = set()
+
+    # ------------------------------------------------------------------ sessions
+    def disconnected(self, cid: int) -> None:
+        """A connection closed: what it held as itself is freed; an attached session waits for its lease."""
+        self._connections.discard(cid)
+        self.worker.close_session(cid)
+        self.leases.disconnect(cid)
+
+    def reap(self) -> None:
+        """Free sessions whose lease ran out and close their connections (called periodically)."""
+        gone, close = self.leases.expired()
+        for cid in close:
+            self.close_connection(cid)
+        for lease in gone:
+            log.info("session %r: lease expired, freeing what it held", lease)
+            self.worker.close_session(lease)
+
+    def sessions(self) -> int:
+        """Worker-side sessions now: attached sessions, and connections that serve as their own."""
+        attached = sum(1 for cid in self._connections if self.leases.key(cid) != cid)
+        return len(self.leases) + len(self._connections) - attached
+
+    # ------------------------------------------------------------------ dispatch
+    def handle(self, cid: int, header: bytes, frames: list) -> Reply:
+        """Decode one request, run it, encode the reply (errors included)."""
+        self._connections.add(cid)
+        try:
+            try:
+                request = m.decode(header)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise ProtocolError(f"malformed request header: {exc}") from None
+            self._check_size(header, frames)
+            started = time.monotonic()
+            self.leases.begin(cid)
+            try:
+                return self._dispatch(cid, request, frames)
+            finally:
+                self.leases.end(cid, started)
+        except RemoteError as exc:
+            return error_reply(exc), []
+        except MemoryError as exc:
+            return error_reply(RemoteOutOfMemoryError(f"worker out of host memory: {exc}")), []
+        except Exception as exc:  # a bug of ours must still be an answer, not a dead worker
+            log.exception("unexpected error while serving a request")
+            return error_reply(WorkerError(f"{type(exc).__name__}: {exc}",
+                                           remote_traceback=traceback.format_exc())), []
+
+    def _check_size(self, header: bytes, frames: list) -> None:
+        if self.max_message_bytes is not None:
+            size = len(header) + sum(f.nbytes for f in frames)
+            if size > self.max_message_bytes:
+                raise LimitExceededError(f"message of {size} bytes is over the worker's limit of "
+                                         f"{self.max_message_bytes}")
+
+    def _dispatch(self, cid: int, req, frames: list) -> Reply:
+        if isinstance(req, m.Attach):
+            return self._attach(cid, req)
+        if isinstance(req, m.Heartbeat):
+            return _ok()
+        if isinstance(req, m.Detach):
+            lease = self.leases.release(cid)
+            if lease is not None:
+                self.worker.close_session(lease)
+            return _ok()
+        session = self.leases.key(cid)
+        pending = getattr(req, "pending", None) if not isinstance(req, m.Pending) else req
+        if pending is not None:
+            self._apply_pending(session, pending)
+        handler = _HANDLERS.get(type(req))
+        if handler is None:
+            raise ProtocolError(f"{type(req).__name__} is not a request")
+        return handler(self, session, req, frames)
+
+    def _attach(self, cid: int, req: m.Attach) -> Reply:
+        if not SESSION_ID.fullmatch(req.session_id):
+            raise InvalidRequestError("session id must be 16 to 128 characters of [0-9A-Za-z_-]")
+        try:
+            resumed, displaced = self.leases.attach(cid, req.session_id)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        for other in displaced:
+            self.close_connection(other)
+        return m.encode(m.AttachReply(resumed, self.leases.lease_s)), []
+
+    def _apply_pending(self, session: object, p: m.Pending) -> None:
+        self.worker.training.apply_pending(session, p.zero_grad, p.handles, p.slots, p.optims)
+        self.worker.release_tensors(session, p.tensors)
+
+    # --------------------------------------------------------------- core messages
+    def _health(self, session, req: m.Health, frames) -> Reply:
+        return m.encode(m.HealthReply(protocol=m.PROTOCOL_VERSION, sessions=self.sessions(),
+                                      connections=len(self._connections), **self.worker.info())), []
+
+    def _echo(self, session, req: m.Echo, frames) -> Reply:
+        return m.encode(m.EchoReply()), frames
+
+    def _put_graph(self, session, req: m.PutGraph, frames) -> Reply:
+        self.worker.put_graph(session, req.graph_id, req.doc, req.consts, frames)
+        return _ok()
+
+    def _put_tensors(self, session, req: m.PutTensors, frames) -> Reply:
+        self.worker.put_tensors(session, req.ids, req.metas, frames)
+        return _ok()
+
+    def _run(self, session, req: m.RunGraph, frames) -> Reply:
+        ran = self.worker.run(session, req.graph_id, req.engine, req.args, frames)
+        w = FrameWriter()
+        return m.encode(m.RunReply(w.values(ran.outputs), ran.ms, ran.compiled)), w.frames
+
+    def _profile(self, session, req: m.ProfileGraph, frames) -> Reply:
+        start = time.perf_counter()
+        outs, runs, compiled, compile_ms = self.worker.profile(
+            session, req.graph_id, req.engine, req.args, frames, warmups=req.warmups, repeats=req.repeats)
+        w = FrameWriter()
+        out_args = w.values(outs)
+        worker_ms = (time.perf_counter() - start) * 1e3
+        return m.encode(m.ProfileReply(out_args, runs.times_ms, runs.clock, compiled, compile_ms,
+                                       worker_ms)), w.frames
+
+    # ------------------------------------------------------------------- training
+    def _run_resident(self, session, req: m.RunResident, frames) -> Reply:
+        """A run whose saved outputs stay as handles and whose parameter gradients accumulate here."""
+        state, worker = self.worker.training, self.worker
+        grads = {}
+        for pair in req.grads:
+            if len(pair) != 2:
+                raise InvalidRequestError("grads must be [output index, slot id] pairs")
+            state.slot(session, pair[1])  # missing slots fail before the graph runs
+            grads[pair[0]] = pair[1]
+        ran = worker.run(session, req.graph_id, req.engine, req.args, frames)
+        outs = ran.outputs
+        # a gradient may alias an argument or another output (e.g. the incoming
+        # gradient passed straight through): only a fresh tensor may become .grad
+        taken = {t.untyped_storage().data_ptr() for t in ran.inputs if isinstance(t, torch.Tensor)}
+        keep = [i for i, o in enumerate(outs) if 0 <= req.keep_from <= i and isinstance(o, torch.Tensor)]
+        kept = dict(zip(keep, state.keep(session, req.handle_base, [outs[i] for i in keep])))
+        w, out_args = FrameWriter(), []
+        for i, o in enumerate(outs):
+            if i in kept:
+                out_args.append(m.HandleArg(kept[i]))
+            elif i in grads and isinstance(o, torch.Tensor):
+                ptr = o.untyped_storage().data_ptr()
+                state.accumulate(session, grads[i], o, owned=ptr not in taken and not o._is_view())
+                taken.add(ptr)
+                out_args.append(m.ScalarArg(None))
+            else:
+                out_args.append(w.value(o))
+        return m.encode(m.ResidentReply(out_args, ran.ms, ran.compiled)), w.frames
+
+    def _bind_slots(self, session, req: m.BindSlots, frames) -> Reply:
+        if len(req.slots) != len(req.values):
+            raise InvalidRequestError("slot ids and values disagree")
+        state, reader = self.worker.training, self.worker.reader(frames)
+        for sid, value in zip(req.slots, req.values):
+            if isinstance(value, m.RefArg):
+                state.bind(session, sid, self.worker.resident_tensor(session, value.id), private=False)
+            else:
+                state.bind(session, sid, reader.tensor(value.meta), private=True)
+        return _ok()
+
+    def _accumulate_grads(self, session, req: m.AccumulateGrads, frames) -> Reply:
+        if len(req.slots) != len(req.metas):
+            raise InvalidRequestError("slot ids and gradients disagree")
+        reader = self.worker.reader(frames)
+        for sid, meta in zip(req.slots, req.metas):
+            self.worker.training.accumulate(session, sid, reader.tensor(meta), owned=True)
+        return _ok()
+
+    def _pull_slots(self, session, req: m.PullSlots, frames) -> Reply:
+        values, grads = self.worker.training.pull(session, req.slots, req.grads)
+        w = FrameWriter()
+        metas = [w.meta(v) for v in values]
+        grad_metas = [None if g is None else w.meta(g) for g in grads] if req.grads else []
+        return m.encode(m.PullReply(metas, grad_metas)), w.frames
+
+    def _optim_create(self, session, req: m.OptimCreate, frames) -> Reply:
+        self.worker.training.optim_create(session, req.optim, req.name, req.groups, req.hyper)
+        return _ok()
+
+    def _optim_step(self, session, req: m.OptimStep, frames) -> Reply:
+        self.worker.training.optim_step(session, req.optim, req.hyper)
+        return _ok()
+
+    def _optim_zero_grad(self, session, req: m.OptimZeroGrad, frames) -> Reply:
+        self.worker.training.optim_zero_grad(session, req.optim, req.set_to_none)
+        return _ok()
+
+    def _optim_get_state(self, session, req: m.OptimGetState, frames) -> Reply:
+        w, entries = FrameWriter(), []
+        for idx, key, value in self.worker.training.optim_state(session, req.optim):
+            if not isinstance(value, (torch.Tensor, *SCALARS)):
+                raise InvalidRequestError(f"optimizer state {key!r} is a {type(value).__name__}, which cannot travel")
+            entries.append((idx, key, w.value(value)))
+        return m.encode(m.OptimStateReply(entries)), w.frames
+
+    def _optim_set_state(self, session, req: m.OptimSetState, frames) -> Reply:
+        reader = self.worker.reader(frames)
+        entries = [(idx, key, reader.value(v)) for idx, key, v in req.entries]
+        self.worker.training.optim_set_state(session, req.optim, entries)
+        return _ok()
+
+    def _clip_grad_norm(self, session, req: m.ClipGradNorm, frames) -> Reply:
+        norm = self.worker.training.clip_grad_norm(session, req.optim, req.max_norm, req.norm_type,
+                                                   req.error_if_nonfinite)
+        return m.encode(m.NormReply(norm)), []
+
+    def _pending(self, session, req: m.Pending, frames) -> Reply:
+        return _ok()  # applied in _dispatch, as for every request that carries it
+
+
+_HANDLERS: dict[type, Callable[[Service, object, object, list], Reply]] = {
+    m.Health: Service._health, m.Echo: Service._echo, m.PutGraph: Service._put_graph,
+    m.PutTensors: Service._put_tensors, m.RunGraph: Service._run, m.ProfileGraph: Service._profile,
+    m.RunResident: Service._run_resident, m.BindSlots: Service._bind_slots,
+    m.AccumulateGrads: Service._accumulate_grads, m.PullSlots: Service._pull_slots,
+    m.OptimCreate: Service._optim_create, m.OptimStep: Service._optim_step,
+    m.OptimZeroGrad: Service._optim_zero_grad, m.OptimGetState: Service._optim_get_state,
+    m.OptimSetState: Service._optim_set_state, m.ClipGradNorm: Service._clip_grad_norm,
+    m.Pending: Service._pending,
+}
