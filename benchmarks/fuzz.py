@@ -27,14 +27,14 @@ import torch
 import remotorch
 from remotorch.devtools import fuzz
 from remotorch.codec import messages as m
-from remotorch.transport import framing
+from remotorch.transport import framing, handshake
 
 READY = "remotorch: serving on "
 
 
 def connect(host: str, port: int, token: str) -> framing.FramedChannel:
     sock = socket.create_connection((host, port), timeout=30)
-    key = framing.client_handshake(sock, token.encode(), m.PROTOCOL_VERSION)
+    key = handshake.client_handshake(sock, token.encode(), m.PROTOCOL_VERSION)
     return framing.FramedChannel(sock, key, role="client", max_frame=1 << 30, max_header=1 << 30)
 
 

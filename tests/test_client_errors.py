@@ -19,7 +19,7 @@ import remotorch
 from remotorch.codec import messages as m
 from remotorch.errors import (AuthenticationError, ProtocolError, RemoteFallbackWarning,
                               WorkerUnavailableError)
-from remotorch.transport import framing
+from remotorch.transport import framing, handshake
 
 from conftest import TOKEN
 
@@ -91,18 +91,18 @@ def silent(conn: socket.socket) -> None:
 
 
 def other_version(conn: socket.socket) -> None:
-    framing.recv_exact(conn, 40)
-    conn.sendall(struct.pack("<4sI32s", framing.HELLO, m.PROTOCOL_VERSION + 1, b"\x00" * 32) + b"\x00" * 32)
+    handshake.recv_exact(conn, 40)
+    conn.sendall(struct.pack("<4sI32s", handshake.HELLO, m.PROTOCOL_VERSION + 1, b"\x00" * 32) + b"\x00" * 32)
     time.sleep(0.5)
 
 
 def handshake_then_silence(conn: socket.socket) -> None:
-    framing.server_handshake(conn, TOKEN.encode(), m.PROTOCOL_VERSION)
+    handshake.server_handshake(conn, TOKEN.encode(), m.PROTOCOL_VERSION)
     time.sleep(5)
 
 
 def handshake_then_bad_mac(conn: socket.socket) -> None:
-    key = framing.server_handshake(conn, TOKEN.encode(), m.PROTOCOL_VERSION)
+    key = handshake.server_handshake(conn, TOKEN.encode(), m.PROTOCOL_VERSION)
     channel = framing.FramedChannel(conn, key, role="server", max_frame=1 << 20, max_header=1 << 20)
     channel.recv()
     framing.FramedChannel(conn, b"k" * 32, role="server", max_frame=1, max_header=1).send(m.encode(m.Ok()))
@@ -110,7 +110,7 @@ def handshake_then_bad_mac(conn: socket.socket) -> None:
 
 
 def handshake_then_garbage_reply(conn: socket.socket) -> None:
-    key = framing.server_handshake(conn, TOKEN.encode(), m.PROTOCOL_VERSION)
+    key = handshake.server_handshake(conn, TOKEN.encode(), m.PROTOCOL_VERSION)
     channel = framing.FramedChannel(conn, key, role="server", max_frame=1 << 20, max_header=1 << 20)
     channel.recv()
     channel.send(b"\xc1 not msgpack")
@@ -119,7 +119,7 @@ def handshake_then_garbage_reply(conn: socket.socket) -> None:
 
 def handshake_then_tampered_frames(conn: socket.socket) -> None:
     """A reply whose header MAC is right but whose buffer frame was altered in flight."""
-    key = framing.server_handshake(conn, TOKEN.encode(), m.PROTOCOL_VERSION)
+    key = handshake.server_handshake(conn, TOKEN.encode(), m.PROTOCOL_VERSION)
     channel = framing.FramedChannel(conn, key, role="server", max_frame=1 << 20, max_header=1 << 20)
     channel.recv()
     send_key, _ = framing.direction_keys(key, "server")

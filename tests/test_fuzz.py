@@ -27,7 +27,7 @@ from remotorch.devtools import fuzz
 from remotorch.codec import messages as m
 from remotorch.codec.graph import decode_graph
 from remotorch.codec.tensors import tensor_from_wire
-from remotorch.transport import framing
+from remotorch.transport import framing, handshake
 
 from conftest import TOKEN, spawn_server
 
@@ -108,7 +108,7 @@ class Conn:
 
     def __init__(self, srv) -> None:
         self.sock = socket.create_connection((srv.host, srv.port), timeout=30)
-        key = framing.client_handshake(self.sock, TOKEN.encode(), m.PROTOCOL_VERSION)
+        key = handshake.client_handshake(self.sock, TOKEN.encode(), m.PROTOCOL_VERSION)
         self.channel = framing.FramedChannel(self.sock, key, role="client", max_frame=1 << 30, max_header=1 << 30)
 
     def ask(self, header: bytes, frames=()):

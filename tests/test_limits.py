@@ -12,7 +12,7 @@ import remotorch
 from remotorch import errors
 from remotorch.codec import messages as m
 from remotorch.codec.tensors import content_id, tensor_to_wire
-from remotorch.transport import TcpTransport, framing
+from remotorch.transport import TcpTransport, framing, handshake
 
 from conftest import TOKEN, spawn_server, wait_until
 
@@ -244,7 +244,7 @@ def test_memory_error_receiving_a_huge_frame_drops_only_that_connection(server, 
 
     sock = socket.create_connection((server.host, server.port), timeout=30)
     with sock:
-        key = framing.client_handshake(sock, TOKEN.encode(), m.PROTOCOL_VERSION)
+        key = handshake.client_handshake(sock, TOKEN.encode(), m.PROTOCOL_VERSION)
         header = m.encode(m.Echo())
         fixed = struct.pack("<4sQI", framing.MAGIC, 0, 2) + struct.pack("<2Q", len(header), 200 << 30)
         sock.sendall(fixed + header + b"x" * 1000)  # the MAC would come after the frames
@@ -267,7 +267,7 @@ def test_a_stalled_message_holds_up_nobody_and_is_dropped_after_the_message_time
     assert s.health()["name"] == "limited"
     sock = socket.create_connection((limited.host, limited.port), timeout=30)
     with sock:
-        key = framing.client_handshake(sock, TOKEN.encode(), m.PROTOCOL_VERSION)
+        key = handshake.client_handshake(sock, TOKEN.encode(), m.PROTOCOL_VERSION)
         if stall == "prefix":
             sock.sendall(framing.MAGIC + b"\x00" * 6)  # the start of a prefix, and then nothing
         else:  # a whole header and half of a 64 KiB frame, and then nothing
@@ -305,7 +305,7 @@ def test_a_reply_nobody_reads_holds_up_nobody_and_is_dropped_after_the_message_t
             sock.settimeout(30)
             sock.connect((srv.host, srv.port))
             with sock:
-                key = framing.client_handshake(sock, TOKEN.encode(), m.PROTOCOL_VERSION)
+                key = handshake.client_handshake(sock, TOKEN.encode(), m.PROTOCOL_VERSION)
                 send_key, _ = framing.direction_keys(key, "client")
                 size = 32 << 20
                 for part in framing.encode_message(send_key, 0, m.encode(m.Echo()), [bytes(size)]):

@@ -17,7 +17,7 @@ import torch
 import remotorch
 from remotorch.codec import messages as m
 from remotorch.transport import TcpTransport
-from remotorch.transport import framing
+from remotorch.transport import framing, handshake
 
 from conftest import TOKEN
 
@@ -46,7 +46,7 @@ def recv_until_closed(sock: socket.socket, limit: int = 1 << 16) -> bytes:
 
 def authenticated(server) -> tuple[socket.socket, bytes]:
     sock = connect(server)
-    key = framing.client_handshake(sock, TOKEN.encode(), PROTOCOL)
+    key = handshake.client_handshake(sock, TOKEN.encode(), PROTOCOL)
     return sock, key
 
 
@@ -79,33 +79,33 @@ def connect_and_close(server) -> None:
 
 def partial_hello(server) -> None:
     with connect(server) as sock:
-        sock.sendall(framing.HELLO + b"\x01\x00")
+        sock.sendall(handshake.HELLO + b"\x01\x00")
 
 
 def hello_with_wrong_proof(server) -> None:
     with connect(server) as sock:
-        sock.sendall(struct.pack("<4sI32s", framing.HELLO, PROTOCOL, os.urandom(32)))
-        answer = framing.recv_exact(sock, 40 + framing.MAC_SIZE).tobytes()
-        assert answer[:4] == framing.HELLO
+        sock.sendall(struct.pack("<4sI32s", handshake.HELLO, PROTOCOL, os.urandom(32)))
+        answer = handshake.recv_exact(sock, 40 + framing.MAC_SIZE).tobytes()
+        assert answer[:4] == handshake.HELLO
         sock.sendall(os.urandom(framing.MAC_SIZE))
         assert recv_until_closed(sock) == b"\x00"  # refused, then closed
 
 
 def hello_with_wrong_version(server) -> None:
     with connect(server) as sock:
-        sock.sendall(struct.pack("<4sI32s", framing.HELLO, PROTOCOL + 41, os.urandom(32)))
+        sock.sendall(struct.pack("<4sI32s", handshake.HELLO, PROTOCOL + 41, os.urandom(32)))
         answer = recv_until_closed(sock)
         # the worker tells its own version (so the client can say what is wrong), then closes
         assert len(answer) == 40 + framing.MAC_SIZE
         magic, version, _ = struct.unpack("<4sI32s", answer[:40])
-        assert magic == framing.HELLO and version == PROTOCOL
+        assert magic == handshake.HELLO and version == PROTOCOL
 
 
 def client_refuses_server(server) -> None:
     """A client with another token stops the handshake itself: the server must cope."""
     with connect(server) as sock:
         with pytest.raises(framing.AuthFailed):
-            framing.client_handshake(sock, b"another token", PROTOCOL)
+            handshake.client_handshake(sock, b"another token", PROTOCOL)
 
 
 def garbage_after_auth(server) -> None:

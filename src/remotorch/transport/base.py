@@ -1,11 +1,15 @@
-"""The one seam between the session and the bytes on the wire."""
+"""The one seam between a client connection and the bytes on the wire."""
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 Buffer = bytes | bytearray | memoryview
+
+# on_connect(ask): called on every new connection before the first request;
+# ask(header) sends one message on it and returns the reply's header.
+OnConnect = Callable[[Callable[[bytes], bytes]], None]
 
 
 class Transport(abc.ABC):
@@ -14,16 +18,26 @@ class Transport(abc.ABC):
     Implementations raise only ``remotorch.errors`` types:
     ``WorkerUnavailableError`` when no worker answers, ``AuthenticationError``
     when the token is refused, ``TransportError``/``ProtocolError`` otherwise.
-    Received frames are writable uint8 numpy arrays (the receiver may view them
-    as tensors without copying).
+    Received frames are writable byte buffers (the receiver may view them as
+    tensors without copying). A transport connects on its first request and
+    after :meth:`close`; ``on_connect`` runs on each new connection first.
     """
 
     bytes_sent: int = 0
     bytes_received: int = 0
+    on_connect: OnConnect | None = None
 
     @abc.abstractmethod
     def request(self, header: bytes, frames: Sequence[Buffer] = ()) -> tuple[bytes, list]:
         """Send one message and block until its reply arrives."""
+
+    @property
+    @abc.abstractmethod
+    def connected(self) -> bool:
+        """True while a connection is open (no I/O)."""
+
+    def set_timeout(self, seconds: float | None) -> None:
+        """Change how long a reply may take (None: forever)."""
 
     def close(self) -> None:
         """Release the connection; a later request may open a new one."""

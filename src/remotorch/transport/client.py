@@ -13,12 +13,14 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from urllib.parse import urlparse
 
 from ..errors import AuthenticationError, ProtocolError, WorkerUnavailableError
-from .base import Buffer, Transport
-from .framing import AuthFailed, FramedChannel, FramingError, client_handshake
+from .base import Buffer, OnConnect, Transport
+from .framing import AuthFailed, FramedChannel, FramingError
+from .handshake import client_handshake
 from .tls import client_context, wrap_client
 
 DEFAULT_MAX_FRAME = 1 << 40
@@ -54,9 +56,32 @@ def _spin(channel: FramedChannel, seconds: float) -> None:
             return
 
 
-# on_connect(ask): called on every new connection before the first request;
-# ask(header) sends one message on it and returns the reply's header.
-OnConnect = Callable[[Callable[[bytes], bytes]], None]
+
+
+@contextmanager
+def _mapped_errors(url: str, timeout: float | None, drop: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Socket, TLS and framing failures as ``remotorch.errors`` types (``drop`` runs first)."""
+    try:
+        yield
+    except socket.timeout as exc:
+        drop()
+        raise WorkerUnavailableError(f"worker at {url} did not answer within {timeout}s") from exc
+    except ssl.SSLCertVerificationError as exc:
+        drop()
+        raise AuthenticationError(f"{url}: the worker's TLS certificate is not trusted: "
+                                  f"{exc.verify_message}") from exc
+    except ssl.SSLError as exc:
+        drop()
+        raise ProtocolError(f"{url}: TLS failed: {exc}") from exc
+    except AuthFailed as exc:
+        drop()
+        raise AuthenticationError(f"{url}: {exc}") from exc
+    except FramingError as exc:
+        drop()
+        raise ProtocolError(f"{url}: {exc}") from exc
+    except (OSError, ConnectionError) as exc:
+        drop()
+        raise WorkerUnavailableError(f"lost the connection to {url}: {exc}") from exc
 
 
 class TcpTransport(Transport):
@@ -67,7 +92,7 @@ class TcpTransport(Transport):
     A ``tls://`` address (or a ``tls`` context) wraps the socket in TLS,
     verifying the worker's certificate, before the token handshake.
     ``on_connect`` runs on each new connection before the first request
-    (the session uses it to re-attach to its session on the worker).
+    (a connection uses it to re-attach to its session on the worker).
     """
 
     def __init__(self, url: str, token: str | None = None, *, protocol: int,
@@ -95,31 +120,16 @@ class TcpTransport(Transport):
             sock = self._open()
         except OSError as exc:
             raise WorkerUnavailableError(f"no worker at {self.url}: {exc}") from exc
-        try:
+        with _mapped_errors(f"worker at {self.url} (handshake)", self.connect_timeout, sock.close):
             if self._tls is not None:
                 sock = wrap_client(self._tls, sock, self.host)
             key = client_handshake(sock, self._token, self._protocol)
-        except ssl.SSLCertVerificationError as exc:
-            sock.close()
-            raise AuthenticationError(f"{self.url}: the worker's TLS certificate is not trusted: "
-                                      f"{exc.verify_message}") from exc
-        except ssl.SSLError as exc:
-            sock.close()
-            raise ProtocolError(f"{self.url}: TLS failed: {exc}") from exc
-        except AuthFailed as exc:
-            sock.close()
-            raise AuthenticationError(f"{self.url}: {exc}") from exc
-        except FramingError as exc:
-            sock.close()
-            raise ProtocolError(f"{self.url}: {exc}") from exc
-        except OSError as exc:
-            sock.close()
-            raise WorkerUnavailableError(f"worker at {self.url} dropped the handshake: {exc}") from exc
         sock.settimeout(self.timeout)
         channel = FramedChannel(sock, key, role="client", max_frame=DEFAULT_MAX_FRAME, max_header=DEFAULT_MAX_FRAME)
         if self.on_connect is not None:
             try:
-                self.on_connect(lambda header: self._greet(channel, header))
+                with _mapped_errors(self.url, self.timeout):
+                    self.on_connect(lambda header: self._exchange(channel, header)[0])
             except BaseException:
                 sock.close()
                 raise
@@ -139,21 +149,14 @@ class TcpTransport(Transport):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
-    def _greet(self, channel: FramedChannel, header: bytes) -> bytes:
-        """One exchange on a connection still being set up (errors mapped as in :meth:`request`)."""
-        try:
-            self.bytes_sent += channel.send(header)
-            reply, _, nbytes = channel.recv()
-        except socket.timeout as exc:
-            raise WorkerUnavailableError(f"worker at {self.url} did not answer within {self.timeout}s") from exc
-        except AuthFailed as exc:
-            raise AuthenticationError(f"{self.url}: {exc}") from exc
-        except FramingError as exc:
-            raise ProtocolError(f"{self.url}: {exc}") from exc
-        except (OSError, ConnectionError) as exc:
-            raise WorkerUnavailableError(f"lost the connection to {self.url}: {exc}") from exc
+    def _exchange(self, channel: FramedChannel, header: bytes, frames: Sequence[Buffer] = ()) -> tuple:
+        """One message and its reply on ``channel``; socket errors are the caller's to map."""
+        self.bytes_sent += channel.send(header, frames)
+        if self.spin_s:
+            _spin(channel, self.spin_s)
+        reply, out, nbytes = channel.recv()
         self.bytes_received += nbytes
-        return reply
+        return reply, out
 
     def set_timeout(self, seconds: float | None) -> None:
         """Change the reply timeout, for the open connection too."""
@@ -171,26 +174,8 @@ class TcpTransport(Transport):
         with self._lock:
             if self._channel is None:
                 self._channel = self._connect()
-            channel = self._channel
-            try:
-                self.bytes_sent += channel.send(header, frames)
-                if self.spin_s:
-                    _spin(channel, self.spin_s)
-                reply, out, nbytes = channel.recv()
-            except socket.timeout as exc:
-                self._drop()
-                raise WorkerUnavailableError(f"worker at {self.url} did not answer within {self.timeout}s") from exc
-            except AuthFailed as exc:
-                self._drop()
-                raise AuthenticationError(f"{self.url}: {exc}") from exc
-            except FramingError as exc:
-                self._drop()
-                raise ProtocolError(f"{self.url}: {exc}") from exc
-            except (OSError, ConnectionError) as exc:
-                self._drop()
-                raise WorkerUnavailableError(f"lost the connection to {self.url}: {exc}") from exc
-            self.bytes_received += nbytes
-            return reply, out
+            with _mapped_errors(self.url, self.timeout, self._drop):
+                return self._exchange(self._channel, header, frames)
 
     def _drop(self) -> None:
         if self._channel is not None:
@@ -203,4 +188,3 @@ class TcpTransport(Transport):
     def close(self) -> None:
         with self._lock:
             self._drop()
-

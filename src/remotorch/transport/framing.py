@@ -12,7 +12,7 @@ from ``k`` and ``seq`` (several GB/s, where SHA-256 would be the bottleneck).
 The tag is computed piece by piece as the frames go out and come in (one
 pass over memory, not two). ``k`` is this direction's key, derived from the session key that a mutual
 challenge–response on the shared token yields when the connection opens
-(see :func:`client_handshake`). ``seq`` must increase by one per message and
+(:mod:`remotorch.transport.handshake`). ``seq`` must increase by one per message and
 direction, so a replayed or reordered message is refused. A receiver
 verifies all of it before it returns anything (docs/protocol.md §4).
 """
@@ -20,22 +20,19 @@ verifies all of it before it returns anything (docs/protocol.md §4).
 from __future__ import annotations
 
 import hmac
-import os
 import select
 import socket
 import ssl
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 MAGIC = b"RMT2"
-HELLO = b"RMTH"
 _FIXED = struct.Struct("<4sQI")
-_HELLO = struct.Struct("<4sI32s")
 _SEQ = struct.Struct("<Q")
 MAC_SIZE = 32
 TAG_SIZE = 16
@@ -87,37 +84,26 @@ def frames_key(key: bytes, seq: int) -> bytes:
     return hmac.digest(key, b"frames" + _SEQ.pack(seq), "sha256")
 
 
-def frames_tag(key: bytes, seq: int, frames: Sequence) -> bytes:
-    """Poly1305 tag over the bytes of every buffer frame, in order."""
-    p = Poly1305(frames_key(key, seq))
-    for f in frames:
-        p.update(f)
-    return p.finalize()
+def encode_message(key: bytes, seq: int, header: bytes, frames: Sequence = ()) -> Iterator:
+    """The pieces of one message in wire order (large frames are not copied).
 
-
-def encode_message(key: bytes, seq: int, header: bytes, frames: Sequence = ()) -> list:
-    """The buffers of one message, in wire order (large frames are not copied)."""
+    A small message is one buffer. In a large one the buffer frames go in
+    pieces of ``_CHUNK`` bytes, each added to the Poly1305 tag as it is
+    taken (just before it is written: one pass over memory), then the MAC.
+    """
     views = [memoryview(f).cast("B") for f in frames]
     sizes = [v.nbytes for v in views]
     n = 1 + len(views)
     head = _FIXED.pack(MAGIC, seq, n) + struct.pack(f"<{n}Q", len(header), *sizes) + header
     if sum(sizes) <= INLINE_MAC:
         body = b"".join([head, *views]) if views else head
-        return [body + hmac.digest(key, body, "sha256")]
-    return [head, *views, hmac.digest(key, head + frames_tag(key, seq, views), "sha256")]
+        return iter((body + hmac.digest(key, body, "sha256"),))
+    return _streamed(key, seq, head, views)
 
 
-def recv_exact(sock: socket.socket, n: int) -> np.ndarray:
-    """Receive exactly n bytes into a fresh writable buffer (no zero-fill, no copy)."""
-    buf = np.empty(n, dtype=np.uint8)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError("connection closed by peer")
-        got += k
-    return buf
+def message_size(header: bytes, frames: Sequence) -> int:
+    """Bytes one message takes on the wire."""
+    return _FIXED.size + 8 * (1 + len(frames)) + len(header) + sum(memoryview(f).nbytes for f in frames) + MAC_SIZE
 
 
 def send_all(sock: socket.socket, buffers: Sequence) -> int:
@@ -242,19 +228,10 @@ class FramedChannel:
         """
         if self._out is not None:
             raise RuntimeError("the previous message is not sent yet")
-        key, seq = self._send_key, self._send_seq
+        seq = self._send_seq
         self._send_seq += 1
-        views = [memoryview(f).cast("B") for f in frames]
-        sizes = [v.nbytes for v in views]
-        n = 1 + len(views)
-        head = _FIXED.pack(MAGIC, seq, n) + struct.pack(f"<{n}Q", len(header), *sizes) + header
-        if sum(sizes) <= INLINE_MAC:
-            body = b"".join([head, *views]) if views else head
-            body += hmac.digest(key, body, "sha256")
-            self._out = _batches((body,))
-            return len(body)
-        self._out = _batches(_streamed(key, seq, head, views))
-        return len(head) + sum(sizes) + MAC_SIZE
+        self._out = _batches(encode_message(self._send_key, seq, header, frames))
+        return message_size(header, frames)
 
     @property
     def sending(self) -> bool:
@@ -434,45 +411,3 @@ class FramedChannel:
         if seq != self._recv_seq:
             raise AuthFailed(f"message out of sequence (got {seq}, expected {self._recv_seq})")
         self._recv_seq += 1
-
-
-def _derive(token: bytes, cn: bytes, sn: bytes) -> tuple[bytes, bytes, bytes]:
-    return (_mac(token, b"server", cn, sn), _mac(token, b"client", cn, sn), _mac(token, b"session", cn, sn))
-
-
-def client_handshake(sock: socket.socket, token: bytes, version: int) -> bytes:
-    """Prove the token to the server and make it prove it back; returns the session key."""
-    cn = os.urandom(32)
-    sock.sendall(_HELLO.pack(HELLO, version, cn))
-    magic, sversion, sn = _HELLO.unpack(recv_exact(sock, _HELLO.size).tobytes())
-    if magic != HELLO:
-        raise FramingError("peer is not a remotorch worker")
-    if sversion != version:
-        raise FramingError(f"worker speaks protocol {sversion}, this client {version}")
-    server_proof = recv_exact(sock, MAC_SIZE).tobytes()
-    expect_server, client_proof, key = _derive(token, cn, sn)
-    if not hmac.compare_digest(server_proof, expect_server):
-        sock.sendall(b"\x00" * MAC_SIZE)
-        raise AuthFailed("the worker does not share this token")
-    sock.sendall(client_proof)
-    if recv_exact(sock, 1).tobytes() != b"\x01":
-        raise AuthFailed("the worker refused this token")
-    return key
-
-
-def server_handshake(sock: socket.socket, token: bytes, version: int) -> bytes:
-    """Server side of :func:`client_handshake`; raises AuthFailed on a bad proof."""
-    magic, cversion, cn = _HELLO.unpack(recv_exact(sock, _HELLO.size).tobytes())
-    if magic != HELLO:
-        raise FramingError("peer did not open with a remotorch hello")
-    sn = os.urandom(32)
-    server_proof, expect_client, key = _derive(token, cn, sn)
-    sock.sendall(_HELLO.pack(HELLO, version, sn) + server_proof)
-    if cversion != version:
-        raise FramingError(f"client speaks protocol {cversion}, this worker {version}")
-    client_proof = recv_exact(sock, MAC_SIZE).tobytes()
-    if not hmac.compare_digest(client_proof, expect_client):
-        sock.sendall(b"\x00")
-        raise AuthFailed("client failed the token challenge")
-    sock.sendall(b"\x01")
-    return key

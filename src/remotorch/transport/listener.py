@@ -31,7 +31,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from .framing import AuthFailed, FramedChannel, FramingError, MessageTooLarge, server_handshake
+from .framing import AuthFailed, FramedChannel, FramingError, MessageTooLarge
+from .handshake import server_handshake
 from .tls import wrap_server
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,77 @@
+"""Opening a connection: a mutual challenge–response on the shared token, yielding the session key.
+
+Both ends send a hello (magic, protocol version, 32 random bytes); each proves
+it knows the token by a MAC over both nonces, the worker first, so a client
+never talks to a worker that does not share its token, and the token itself
+never crosses the wire. The session key then keys every message's MAC
+(:mod:`remotorch.transport.framing`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import socket
+import struct
+
+import numpy as np
+
+from .framing import MAC_SIZE, AuthFailed, FramingError, _mac
+
+HELLO = b"RMTH"
+_HELLO = struct.Struct("<4sI32s")
+
+
+def recv_exact(sock: socket.socket, n: int) -> np.ndarray:
+    """Receive exactly n bytes into a fresh writable buffer (no zero-fill, no copy)."""
+    buf = np.empty(n, dtype=np.uint8)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("connection closed by peer")
+        got += k
+    return buf
+
+
+def _derive(token: bytes, cn: bytes, sn: bytes) -> tuple[bytes, bytes, bytes]:
+    return (_mac(token, b"server", cn, sn), _mac(token, b"client", cn, sn), _mac(token, b"session", cn, sn))
+
+
+def client_handshake(sock: socket.socket, token: bytes, version: int) -> bytes:
+    """Prove the token to the server and make it prove it back; returns the session key."""
+    cn = os.urandom(32)
+    sock.sendall(_HELLO.pack(HELLO, version, cn))
+    magic, sversion, sn = _HELLO.unpack(recv_exact(sock, _HELLO.size).tobytes())
+    if magic != HELLO:
+        raise FramingError("peer is not a remotorch worker")
+    if sversion != version:
+        raise FramingError(f"worker speaks protocol {sversion}, this client {version}")
+    server_proof = recv_exact(sock, MAC_SIZE).tobytes()
+    expect_server, client_proof, key = _derive(token, cn, sn)
+    if not hmac.compare_digest(server_proof, expect_server):
+        sock.sendall(b"\x00" * MAC_SIZE)
+        raise AuthFailed("the worker does not share this token")
+    sock.sendall(client_proof)
+    if recv_exact(sock, 1).tobytes() != b"\x01":
+        raise AuthFailed("the worker refused this token")
+    return key
+
+
+def server_handshake(sock: socket.socket, token: bytes, version: int) -> bytes:
+    """Server side of :func:`client_handshake`; raises AuthFailed on a bad proof."""
+    magic, cversion, cn = _HELLO.unpack(recv_exact(sock, _HELLO.size).tobytes())
+    if magic != HELLO:
+        raise FramingError("peer did not open with a remotorch hello")
+    sn = os.urandom(32)
+    server_proof, expect_client, key = _derive(token, cn, sn)
+    sock.sendall(_HELLO.pack(HELLO, version, sn) + server_proof)
+    if cversion != version:
+        raise FramingError(f"client speaks protocol {cversion}, this worker {version}")
+    client_proof = recv_exact(sock, MAC_SIZE).tobytes()
+    if not hmac.compare_digest(client_proof, expect_client):
+        sock.sendall(b"\x00")
+        raise AuthFailed("client failed the token challenge")
+    sock.sendall(b"\x01")
+    return key
