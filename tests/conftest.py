@@ -10,19 +10,18 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 import remotorch
+from remotorch.client.embedded import spawn_worker
+from remotorch.errors import WorkerUnavailableError
 
 TOKEN = "test-token-0123456789"
-READY_PREFIX = "remotorch: serving on "
 START_TIMEOUT = 120.0
 
 
@@ -35,7 +34,6 @@ class ServerProcess:
     token: str | None
     name: str
     stderr_path: str
-    _threads: list = field(default_factory=list)
 
     @property
     def port(self) -> int:
@@ -79,38 +77,20 @@ def clean_env(**extra: str) -> dict:
 
 def spawn_server(*, token: str | None = TOKEN, name: str = "test", extra_args: tuple = ()) -> ServerProcess:
     """Start ``python -m remotorch serve`` on a free loopback port and wait until it serves."""
-    cmd = [sys.executable, "-m", "remotorch", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--name", name, *extra_args]
+    args = ["--host", "127.0.0.1", "--port", "0", "--name", name, *extra_args]
     if token is not None:
-        cmd += ["--token", token]
+        args += ["--token", token]
     fd, stderr_path = tempfile.mkstemp(prefix="remotorch-server-", suffix=".log")
-    with os.fdopen(fd, "w") as stderr:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr,
-                                env=clean_env(), text=True)
-    found: list[str] = []
-
-    def read_ready() -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            if line.startswith(READY_PREFIX):
-                found.append(line[len(READY_PREFIX):].strip())
-                break
-
-    reader = threading.Thread(target=read_ready, daemon=True)
-    reader.start()
-    reader.join(START_TIMEOUT)
-    if not found:
-        proc.kill()
-        proc.wait()
+    try:
+        with os.fdopen(fd, "w") as stderr:
+            worker = spawn_worker(args, env=clean_env(), stderr=stderr, start_timeout=START_TIMEOUT)
+    except WorkerUnavailableError as exc:
         with open(stderr_path, encoding="utf-8", errors="replace") as f:
             log = f.read()
         os.unlink(stderr_path)
-        raise RuntimeError(f"remotorch serve did not start (rc={proc.returncode}):\n{log}")
-    # keep draining stdout so the child can never block on a full pipe
-    drain = threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True)  # type: ignore[union-attr]
-    drain.start()
-    url = found[0]
-    assert url.startswith(("tcp://127.0.0.1:", "tls://127.0.0.1:", "unix:///")), url
-    return ServerProcess(proc, url, token, name, stderr_path, [drain])
+        raise RuntimeError(f"remotorch serve did not start ({exc}):\n{log}") from None
+    assert worker.url.startswith(("tcp://127.0.0.1:", "tls://127.0.0.1:", "unix:///")), worker.url
+    return ServerProcess(worker.proc, worker.url, token, name, stderr_path)
 
 
 def closed_port() -> int:

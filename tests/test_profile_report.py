@@ -10,23 +10,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from remotorch.profile.records import BackendRun, CallRecord, GraphCall
+from remotorch.profile.records import BackendRun, CallRecord, GraphCall, ProfilePlan
 from remotorch.profile.report import CLIENT, build_report
 from remotorch.profile.render import render
 
 B = ["w/eager", "w/onnxrt"]
 
 
-class Recorded:
-    """What build_report reads from a profiler."""
-
-    def __init__(self, records, backends=B, workers=None):
-        self.records = records
-        self.backends = backends
-        self.output_backend = backends[0]
-        self.num_repeats = 3
-        self.num_warmups = 1
-        self.workers = workers or {"w": {"price_per_hour": 7.2}}
+def report_of(records, backends=B, workers=None):
+    """The report of these records, as a profile of ``backends`` with 1 warm-up and 3 repeats."""
+    return build_report(records, ProfilePlan(backends, backends[0], 3, 1, workers or {"w": {"price_per_hour": 7.2}}))
 
 
 def call(function, graphs, *, start=0.0, gaps=(), compiled=False, error=None, times=None):
@@ -54,7 +47,7 @@ def test_compile_calls_are_discarded_but_their_failures_count():
     records = [call("f", ["g"], gaps=(9.0, 9.0), compiled=True, times=times, error=("w/onnxrt", "boom")),
                call("f", ["g"], gaps=(1.0, 2.0), times=times, error=("w/onnxrt", "boom")),
                call("f", ["g"], gaps=(3.0, 4.0), times=times)]
-    report = build_report(Recorded(records))
+    report = report_of(records)
     assert (report.calls, report.timed_calls, report.compile_calls) == (3, 2, 1)
     (seq,) = report.sequences
     local0, graph, local1 = seq.segments
@@ -80,7 +73,7 @@ def test_totals_weight_sequences_by_calls_and_add_functions():
     records = [call("f", ["a"], gaps=(0.0, 0.0), times=t1) for _ in range(3)]
     records += [call("f", ["b"], gaps=(0.0, 0.0), times=t2)]
     records += [call("g", ["c"], gaps=(10.0, 0.0), times=t1)]
-    report = build_report(Recorded(records))
+    report = report_of(records)
     assert len(report.sequences) == 3
     f_graph = (3 * 1.0 + 1 * 4.0) / 4
     assert report.summaries["w/eager"].graph_ms == pytest.approx(f_graph + 1.0)
@@ -90,7 +83,7 @@ def test_totals_weight_sequences_by_calls_and_add_functions():
 def test_a_backend_that_never_ran_a_graph_has_no_total():
     records = [call("f", ["g"], gaps=(1.0, 1.0), times={b: [1.0] for b in B}, error=("w/onnxrt", "no"))
                for _ in range(2)]
-    report = build_report(Recorded(records))
+    report = report_of(records)
     assert report.totals["w/onnxrt"] is None
     assert report.summaries["w/onnxrt"].cost_per_million is None
     text = render(report)
@@ -101,7 +94,7 @@ def test_abridged_rows_sum_the_other_graphs():
     graphs = [f"g{i}" for i in range(6)]
     times = {b: [1.0] for b in B}
     records = [call("f", graphs, gaps=(1.0,) * 7, times=times) for _ in range(2)]
-    text = render(build_report(Recorded(records)), max_graphs=2)
+    text = render(report_of(records), max_graphs=2)
     other = [line for line in text.splitlines() if "4 other graphs" in line]
     assert len(other) == 1 and "4.000" in other[0]  # four graphs of 1 ms, summed
     assert "local (7 segments)" in text and "7.000" in text.split("local (7 segments)")[1].splitlines()[0]

@@ -9,16 +9,26 @@ up on every call. Nothing else is kept at module level.
 from __future__ import annotations
 
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .profiler import Profiler
 
-_profiler: ContextVar[Profiler | None] = ContextVar("remotorch_profiler", default=None)
+class ActiveProfiler(Protocol):
+    """What ``@accelerate`` functions and their graphs ask of the profiler of the running block."""
+
+    def run_call(self, accelerated, fn, args: tuple, kwargs: dict): ...
+
+    def run_graph(self, graph, args: list) -> list: ...
+
+    def note_compile(self) -> None: ...
+
+    def note_fallback(self) -> None: ...
+
+
+_profiler: ContextVar[ActiveProfiler | None] = ContextVar("remotorch_profiler", default=None)
 _explainer: ContextVar[Any] = ContextVar("remotorch_explainer", default=None)
 
 
-def current_profiler() -> Profiler | None:
+def current_profiler() -> ActiveProfiler | None:
     """The profiler whose ``with`` block is running, or None."""
     return _profiler.get()
 
@@ -28,7 +38,7 @@ def current_explainer():
     return _explainer.get()
 
 
-def activate_profiler(profiler: Profiler | None):
+def activate_profiler(profiler: ActiveProfiler | None):
     """Make ``profiler`` current; returns the token for :func:`deactivate_profiler`."""
     return _profiler.set(profiler)
 

@@ -12,13 +12,13 @@ import json
 import math
 from pathlib import Path
 
-from .report import Report
+from .stats import ReportData
 
 CSV_FIELDS = ("sequence", "function", "segment", "kind", "graph_id", "ops", "backend", "runs",
               "mean_ms", "p50_ms", "p95_ms", "failures")
 
 
-def save_report(report: Report, output_dir: Path) -> dict[str, Path]:
+def save_report(report: ReportData, output_dir: Path) -> dict[str, Path]:
     """Write the three files; returns their paths by kind (json, csv, png)."""
     output_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": output_dir / "profile.json", "csv": output_dir / "profile.csv",
@@ -40,7 +40,7 @@ def _finite(value):
     return value
 
 
-def write_csv(report: Report, path: Path) -> None:
+def write_csv(report: ReportData, path: Path) -> None:
     """One row per segment and backend (every graph, never abridged), then one per backend total."""
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
@@ -63,7 +63,7 @@ def _num(v: float | None) -> str:
     return "" if v is None else repr(v)
 
 
-def write_chart(report: Report, path: Path) -> None:
+def write_chart(report: ReportData, path: Path) -> None:
     """Horizontal bars: estimated ms per call for each backend, local Python and remote graphs."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

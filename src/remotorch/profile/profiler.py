@@ -23,18 +23,19 @@ import msgspec
 import torch
 
 from .. import errors
+from ..client import default_session
 from ..client.connection import unpack_outputs
 from ..codec import messages as m
 from ..codec.graph import decode_graph
 from ..codec.tensors import tensor_from_wire
 from .context import activate_profiler, deactivate_profiler
-from .records import BackendRun, CallRecord, GraphCall
+from .records import BackendRun, CallRecord, GraphCall, ProfilePlan
+from .report import Report, build_report
 
 if TYPE_CHECKING:
     from ..capture.graph import RemoteGraph
     from ..client.session import Session
     from ..client.connection import Connection
-    from .report import Report
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,6 @@ class Profiler:
 
     # ------------------------------------------------------------------ lifetime
     def __enter__(self) -> Profiler:
-        from ..client.session import default_session
-
         if self._entered:
             raise RuntimeError("a profiler is used for one with-block; call remote_profile() again")
         self._entered = True
@@ -119,9 +118,11 @@ class Profiler:
 
     def report(self) -> Report:
         """Statistics of everything recorded so far (see :class:`~remotorch.profile.report.Report`)."""
-        from .report import build_report
-
-        return build_report(self)
+        plan = ProfilePlan(list(self.backends), self.output_backend, self.num_repeats, self.num_warmups,
+                           dict(self.workers))
+        with self._lock:
+            records = list(self.records)
+        return build_report(records, plan)
 
     # ------------------------------------------------------- hooks from accelerate
     def run_call(self, accelerated, fn, args: tuple, kwargs: dict):

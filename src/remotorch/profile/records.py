@@ -65,3 +65,14 @@ class CallRecord:
     def timed(self) -> bool:
         """Whether this call's times enter statistics (nothing compiled, fell back or failed)."""
         return not (self.compiled or self.fell_back or self.failed)
+
+
+@dataclass(frozen=True)
+class ProfilePlan:
+    """What a profile was asked to do: which backends, which gave the outputs, how many runs."""
+
+    backends: list[str]
+    output_backend: str
+    num_repeats: int
+    num_warmups: int
+    workers: dict[str, dict]  # by worker name: url, device, price_per_hour

@@ -8,12 +8,12 @@ always hold the full table.
 
 from __future__ import annotations
 
-from .report import CLIENT, Report, SequenceReport, Stats
+from .stats import CLIENT, ReportData, SequenceReport, Stats
 
 _HEAD = ("segment", "backend", "runs", "mean ms", "p50 ms", "p95 ms", "failures")
 
 
-def render(report: Report, *, max_graphs: int = 8) -> str:
+def render(report: ReportData, *, max_graphs: int = 8) -> str:
     """The whole report as text."""
     lines = [_header(report)]
     for n, seq in enumerate(report.sequences, 1):
@@ -22,7 +22,7 @@ def render(report: Report, *, max_graphs: int = 8) -> str:
     return "\n".join(lines)
 
 
-def _header(report: Report) -> str:
+def _header(report: ReportData) -> str:
     return (f"remotorch profile: {report.calls} calls, {report.timed_calls} timed, "
             f"{report.compile_calls} discarded (compiled), {report.fallback_calls} fell back, "
             f"{report.failed_calls} raised\n"
@@ -82,7 +82,7 @@ def _summed(stats: list[Stats]) -> Stats:
     return Stats(sum(st.runs for st in stats), total, None, None, fails)
 
 
-def _totals(report: Report) -> list[str]:
+def _totals(report: ReportData) -> list[str]:
     head = ("backend", "graph ms", "local ms", "total ms", "network ms", "compile ms", "$/hour",
             "$ per 1M calls", "max |diff| vs eager", "failures")
     rows = []
@@ -96,7 +96,7 @@ def _totals(report: Report) -> list[str]:
             *_table(rows, head)]
 
 
-def _failures(report: Report) -> list[str]:
+def _failures(report: ReportData) -> list[str]:
     """Every failure message in full, per backend (the tables shorten them)."""
     lines = []
     for s in report.summaries.values():

@@ -1,4 +1,4 @@
-"""Statistics from a profiler's records: per segment and backend, per backend, in total.
+"""A profile's report: :func:`build_report` turns records into statistics; :class:`Report` prints and saves them.
 
 A *sequence* groups the calls of one function that ran the same graphs in
 the same order; its *segments* alternate local Python (timed by the client)
@@ -13,153 +13,49 @@ functions were profiled, the totals add one call of each.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 import numpy as np
 
-from .records import CallRecord
+from .files import save_report
+from .records import CallRecord, ProfilePlan
+from .render import render
+from .stats import CLIENT, BackendSummary, ReportData, Segment, SequenceReport, Stats
 
-if TYPE_CHECKING:
-    from .profiler import Profiler
-
-CLIENT = "client"  # the "backend" column of local segments: timed on the client
-
-
-@dataclass(frozen=True)
-class Stats:
-    """Timed runs of one segment on one backend (milliseconds), and failures by message.
-
-    ``runs`` counts samples: for a graph, ``num_repeats`` per timed call; for
-    a local segment, one per timed call.
-    """
-
-    runs: int
-    mean_ms: float | None
-    p50_ms: float | None
-    p95_ms: float | None
-    failures: dict[str, int] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, samples: list[float], failures: Counter | None = None) -> Stats:
-        fails = dict(failures or {})
-        if not samples:
-            return cls(0, None, None, None, fails)
-        a = np.asarray(samples, dtype=np.float64)
-        return cls(len(samples), float(a.mean()), float(np.percentile(a, 50)), float(np.percentile(a, 95)), fails)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One local segment or one graph of a sequence, with stats per backend (``client`` for local)."""
-
-    name: str
-    kind: str  # "local" or "graph"
-    stats: dict[str, Stats]
-    graph_id: str | None = None
-    ops: int | None = None
-
-
-@dataclass(frozen=True)
-class SequenceReport:
-    """Calls of one function that ran the same graphs in the same order."""
-
-    function: str
-    graph_ids: list[str]
-    calls: int
-    timed_calls: int
-    segments: list[Segment]
-
-    def local_ms(self) -> float | None:
-        """Mean local time per call: the local segments summed."""
-        means = [s.stats[CLIENT].mean_ms for s in self.segments if s.kind == "local"]
-        return None if any(m is None for m in means) else sum(means)
-
-    def graph_ms(self, backend: str) -> float | None:
-        """Mean graph time per call on a backend, or None if a graph has no timed run there."""
-        means = [s.stats[backend].mean_ms for s in self.segments if s.kind == "graph"]
-        return None if any(m is None for m in means) else sum(means)
-
-
-@dataclass(frozen=True)
-class BackendSummary:
-    """One backend over the whole profile: estimated time and cost per call, accuracy, failures."""
-
-    backend: str
-    worker: str
-    engine: str
-    graph_ms: float | None  # remote graph time per call (worker-measured)
-    local_ms: float | None  # local Python per call (client-measured)
-    total_ms: float | None  # graph_ms + local_ms; None where a graph never ran on this backend
-    network_ms: float | None  # per call: round trips minus worker time (not part of the total)
-    compile_ms: float  # engine compile time spent on the worker, all graphs
-    price_per_hour: float
-    cost_per_million: float | None  # $ for 1e6 calls at total_ms, the worker held throughout
-    max_abs_diff: float | None  # largest |output - local eager output| over every graph run
-    failures: dict[str, int]
+__all__ = ["CLIENT", "BackendSummary", "Report", "Segment", "SequenceReport", "Stats", "build_report"]
 
 
 @dataclass
-class Report:
+class Report(ReportData):
     """What a profile measured; ``print()`` it, ``save()`` it, or read ``totals``."""
-
-    backends: list[str]
-    output_backend: str
-    num_repeats: int
-    num_warmups: int
-    workers: dict[str, dict]
-    calls: int
-    timed_calls: int
-    compile_calls: int
-    fallback_calls: int
-    failed_calls: int
-    sequences: list[SequenceReport]
-    summaries: dict[str, BackendSummary]
-
-    @property
-    def totals(self) -> dict[str, float | None]:
-        """Estimated total ms per call for each backend (graphs + local Python); None if unknown."""
-        return {b: s.total_ms for b, s in self.summaries.items()}
 
     def print(self, file: IO[str] | None = None, *, max_graphs: int = 8) -> None:
         """Print the table; sequences with more than ``max_graphs`` graphs are abridged."""
-        from .render import render
-
         print(render(self, max_graphs=max_graphs), file=file)
 
     def render(self, *, max_graphs: int = 8) -> str:
         """The table :meth:`print` prints, as a string."""
-        from .render import render
-
         return render(self, max_graphs=max_graphs)
 
     def save(self, output_dir: str | Path) -> dict[str, Path]:
         """Write profile.json, profile.csv and profile.png into ``output_dir`` (created if missing)."""
-        from .files import save_report
-
         return save_report(self, Path(output_dir))
-
-    def to_dict(self) -> dict:
-        """Everything in the report as JSON-ready data (the content of profile.json)."""
-        data = asdict(self)
-        data["totals"] = self.totals
-        data["format"] = 1
-        return data
 
 
 # ---------------------------------------------------------------------- building
-def build_report(profiler: Profiler) -> Report:
-    """Turn a profiler's records into a :class:`Report`."""
-    records = list(profiler.records)
+def build_report(records: list[CallRecord], plan: ProfilePlan) -> Report:
+    """Turn a profile's records, made under ``plan``, into a :class:`Report`."""
+    records = list(records)
     groups: dict[tuple, list[CallRecord]] = {}
     for rec in records:
         groups.setdefault(rec.key, []).append(rec)
-    sequences = [_sequence(calls, profiler.backends) for calls in groups.values()]
-    summaries = {b: _summary(b, sequences, list(groups.values()), profiler.workers) for b in profiler.backends}
-    return Report(backends=list(profiler.backends), output_backend=profiler.output_backend,
-                  num_repeats=profiler.num_repeats, num_warmups=profiler.num_warmups,
-                  workers=dict(profiler.workers), calls=len(records),
+    sequences = [_sequence(calls, plan.backends) for calls in groups.values()]
+    summaries = {b: _summary(b, sequences, list(groups.values()), plan.workers) for b in plan.backends}
+    return Report(backends=list(plan.backends), output_backend=plan.output_backend,
+                  num_repeats=plan.num_repeats, num_warmups=plan.num_warmups,
+                  workers=dict(plan.workers), calls=len(records),
                   timed_calls=sum(r.timed for r in records),
                   compile_calls=sum(r.compiled for r in records),
                   fallback_calls=sum(r.fell_back and not r.compiled for r in records),

@@ -1,0 +1,136 @@
+"""The tree tells the architecture: no import circles, dependencies one way, a small package root.
+
+Every import counts here, also those inside functions and under
+``TYPE_CHECKING``: a circle held together by a lazy import is still a circle.
+(Python runs a package's ``__init__`` before any module in it; that implicit
+step is not an import of the package by its own modules and is not counted.)
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "src" / "remotorch"
+
+# part -> parts it must never import (directly or through a lazy or type-only import)
+FORBIDDEN = {
+    "codec": {"client", "capture", "training", "pipeline", "cluster", "deploy", "profile", "worker", "transport"},
+    "transport": {"client", "capture", "training", "pipeline", "cluster", "deploy", "profile", "worker", "codec"},
+    "worker": {"client", "capture", "training", "pipeline", "cluster", "deploy", "profile"},
+    "client": {"capture", "training", "pipeline", "cluster", "deploy", "profile", "worker"},
+    "capture": {"training", "pipeline", "cluster", "deploy", "profile", "worker", "transport", "client.session"},
+    "training": {"capture", "pipeline", "cluster", "deploy", "profile", "worker"},
+}
+
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, root: Path = PACKAGE) -> set[str]:
+    """Every module of the package a file imports, anywhere in it."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith(root.name))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith(root.name):
+                continue
+            for alias in node.names:  # "from . import errors" imports the module errors
+                sub = root.parent / Path(*f"{target}.{alias.name}".split("."))
+                found.add(f"{target}.{alias.name}" if sub.with_suffix(".py").exists() or sub.is_dir()
+                          else target)
+    return found
+
+
+def graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    modules = {module_name(p, root): p for p in root.rglob("*.py")}
+    edges = {}
+    for name, path in modules.items():
+        targets = set()
+        for t in imports_of(path, root):
+            while t and t not in modules:  # "remotorch.x.y" names a module, or an attribute of one
+                t = t.rsplit(".", 1)[0] if "." in t else ""
+            if t and t != name:
+                targets.add(t)
+        edges[name] = targets
+    return edges
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles_among_modules():
+    found = circles(graph())
+    assert not found, f"import circles: {found}"
+
+
+def test_the_circle_check_sees_lazy_and_type_only_imports(tmp_path):
+    pkg = tmp_path / "demo_pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from .sub import b\n")
+    (pkg / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .. import a\n")
+    (pkg / "c.py").write_text("from . import a\n")
+    assert circles(graph(pkg)) == [["demo_pkg.a", "demo_pkg.sub.b"]]
+
+
+@pytest.mark.parametrize("part", sorted(FORBIDDEN))
+def test_dependencies_point_one_way(part):
+    bad = []
+    for name, targets in graph().items():
+        if not name.startswith(f"remotorch.{part}"):
+            continue
+        for t in targets:
+            for other in FORBIDDEN[part]:
+                if t == f"remotorch.{other}" or t.startswith(f"remotorch.{other}."):
+                    bad.append(f"{name} -> {t}")
+    assert not bad, bad
+
+
+def test_the_package_root_holds_at_most_six_modules():
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= 6, root
