@@ -1,25 +1,42 @@
-"""``remotorch demo``: example models through the embedded worker, checked and timed."""
+"""``remotorch demo``: example models through the embedded worker, checked and timed.
+
+Client and embedded worker share this machine's cores, so the comparison is
+made the way ``benchmarks/overhead.py`` makes it: each side gets half the
+cores for its kernels (the embedded worker takes half; the client sets the
+other half here), local and remote calls alternate within every round (so a
+noisy moment hits both), and the table shows medians.
+"""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
 import torch
 
-from . import models
 from ..capture.backend import compile as remote_compile
 from ..client.session import Session
+from . import models
 
 
-def _time_ms(fn, args, repeats: int) -> float:
+def _timed(fn, args) -> float:
+    start = time.perf_counter()
     fn(*args)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(*args)
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    return (time.perf_counter() - start) * 1e3
+
+
+def interleaved_ms(local, remote, args, rounds: int) -> tuple[float, float]:
+    """Median milliseconds of ``local(*args)`` and ``remote(*args)``, timed in alternating order per round."""
+    local(*args)
+    remote(*args)
+    samples: tuple[list[float], list[float]] = ([], [])
+    for r in range(rounds):
+        first, second = (local, remote) if r % 2 == 0 else (remote, local)
+        a, b = _timed(first, args), _timed(second, args)
+        samples[0].append(a if r % 2 == 0 else b)
+        samples[1].append(b if r % 2 == 0 else a)
+    return statistics.median(samples[0]), statistics.median(samples[1])
 
 
 def _max_diff(a, b) -> float:
@@ -29,6 +46,10 @@ def _max_diff(a, b) -> float:
 def run_demo(*, engine: str = "eager", device: str = "auto", repeats: int = 50) -> int:
     """Run the examples; returns a process exit code (0 when every result matches)."""
     torch.manual_seed(0)
+    cores = os.cpu_count() or 2
+    threads = max(1, cores // 2)  # the embedded worker takes the same share (see client/embedded.py)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     cases = [  # .eval() is nn.Module's (inference mode), client side; nothing is evaluated as Python
         ("mlp", models.mlp().eval(), (torch.randn(32, 784),)),
         ("cnn", models.SmallCNN().eval(), (torch.randn(8, 3, 32, 32),)),
@@ -38,24 +59,26 @@ def run_demo(*, engine: str = "eager", device: str = "auto", repeats: int = 50) 
     ]
     print("starting the embedded worker (a real `remotorch serve` process on this machine)...", flush=True)
     ok = True
-    with Session(device=device) as session:
-        info = session.health()
-        print(f"worker {info['name']!r}: {info['device']}, torch {info['torch_version']}, "
-              f"engines {', '.join(info['engines'])}\n")
-        print(f"{'model':20s} {'max |diff|':>11s} {'local ms':>9s} {'remote ms':>10s}  engine={engine}")
-        compiled_bar = remote_compile(models.bar, session=session, engine=engine, fallback="raise")
-        for name, model, args in cases:
-            remote = compiled_bar if model is models.bar else remote_compile(
-                model, session=session, engine=engine, fallback="raise")
-            with torch.no_grad():
-                expected = model(*args)
-                got = remote(*args)
-                diff = _max_diff(expected, got)
-                local_ms = _time_ms(model, args, repeats)
-                remote_ms = _time_ms(remote, args, repeats)
-            ok &= diff <= 1e-4
-            print(f"{name:20s} {diff:11.2e} {local_ms:9.3f} {remote_ms:10.3f}")
-        stats = session.stats()
+    try:
+        with Session(device=device) as session:
+            info = session.health()
+            print(f"worker {info['name']!r}: {info['device']}, torch {info['torch_version']}, "
+                  f"engines {', '.join(info['engines'])}")
+            print(f"client and worker share this machine's {cores} cores: {threads} thread(s) each for "
+                  f"kernels; times are medians of {repeats} rounds, local and remote alternating\n")
+            print(f"{'model':20s} {'max |diff|':>11s} {'local ms':>9s} {'remote ms':>10s}  engine={engine}")
+            compiled_bar = remote_compile(models.bar, session=session, engine=engine, fallback="raise")
+            for name, model, args in cases:
+                remote = compiled_bar if model is models.bar else remote_compile(
+                    model, session=session, engine=engine, fallback="raise")
+                with torch.no_grad():
+                    diff = _max_diff(model(*args), remote(*args))
+                    local_ms, remote_ms = interleaved_ms(model, remote, args, repeats)
+                ok &= diff <= 1e-4
+                print(f"{name:20s} {diff:11.2e} {local_ms:9.3f} {remote_ms:10.3f}")
+            stats = session.stats()
+    finally:
+        torch.set_num_threads(before)
     print(f"\nsession: {stats['remote_calls']} remote calls, {stats['graphs_uploaded']} graphs and "
           f"{stats['tensors_uploaded']} weight tensors uploaded once, {stats['fallbacks']} fallbacks, "
           f"{stats['bytes_sent'] / 1e6:.2f} MB sent, {stats['bytes_received'] / 1e6:.2f} MB received")

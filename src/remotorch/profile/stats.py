@@ -1,18 +1,8 @@
 """The statistics of a profile, as data: per segment and backend, per backend, in total.
 
-Built by :func:`remotorch.profile.report.build_report`; read by the renderers
+Built by :func:`remotorch.profile.report.build_report` (whose docstring says
+how sequences, segments and totals are formed); read by the renderers
 (:mod:`~remotorch.profile.render`, :mod:`~remotorch.profile.files`).
-
-How they are computed: statistics from a profiler's records: per segment and backend, per backend, in total.
-
-A *sequence* groups the calls of one function that ran the same graphs in
-the same order; its *segments* alternate local Python (timed by the client)
-and graphs (timed by the workers): ``local 0, graph 1, local 1, …, graph n,
-local n``. Only timed calls (nothing compiled, nothing fell back, nothing
-raised) enter the times; failures are counted over every call. A backend's
-estimated total per call is its graph time plus the local time, averaged
-over a function's sequences weighted by their timed calls; where several
-functions were profiled, the totals add one call of each.
 """
 
 from __future__ import annotations
