@@ -47,7 +47,7 @@ def test_round_trip_of_a_small_aten_graph():
     args = small_args()
     gm = aten_graph(small_fn, *args)
     payload, decoded = round_trip(gm)
-    assert payload.num_inputs == 3
+    assert sum(1 for n in gm.graph.nodes if n.op == "placeholder") == 3
     assert len(decoded.inputs) == 3
     assert decoded.inputs[0] == {"kind": "tensor", "dtype": "float32", "shape": [4, 5]}
     assert decoded.inputs[2]["dtype"] == "int64"

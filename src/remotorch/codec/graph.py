@@ -127,7 +127,6 @@ class GraphPayload:
     doc: bytes
     consts: list[TensorMeta] = field(default_factory=list)
     const_frames: list[memoryview] = field(default_factory=list)
-    num_inputs: int = 0
 
 
 def encode_graph(gm: torch.fx.GraphModule) -> GraphPayload:
@@ -153,8 +152,7 @@ def encode_graph(gm: torch.fx.GraphModule) -> GraphPayload:
         else:
             raise UnsupportedGraphError(f"FX node kind {node.op} cannot run remotely")
     doc = msgspec.msgpack.encode({"format": DOC_FORMAT, "nodes": nodes})
-    return GraphPayload(graph_id(doc, consts, writer.frames), doc, consts, writer.frames,
-                        sum(1 for n in nodes if n["op"] == "placeholder"))
+    return GraphPayload(graph_id(doc, consts, writer.frames), doc, consts, writer.frames)
 
 
 def graph_id(doc: bytes, consts: list[TensorMeta], frames) -> str:

@@ -77,9 +77,6 @@ class Echo(msgspec.Struct, frozen=True, tag="echo"):
     """Send the frames straight back: measures the transport alone."""
 
 
-Request = Union[Health, PutGraph, PutTensors, RunGraph, Echo]
-
-
 # ------------------------------------------------------- sessions beyond a connection
 class Attach(msgspec.Struct, frozen=True, tag="attach"):
     """Serve this connection as the session ``session_id`` (kept for the lease after a drop).
@@ -104,9 +101,6 @@ class AttachReply(msgspec.Struct, frozen=True, tag="attach_reply"):
 
     resumed: bool
     lease_s: float
-
-
-Request = Union[Request, Attach, Heartbeat, Detach]
 
 
 # ------------------------------------------------------------------------ replies
@@ -147,10 +141,6 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
     traceback: Union[str, None] = None
     graphs: list[str] = []
     tensors: list[str] = []
-
-
-Reply = Union[HealthReply, Ok, RunReply, EchoReply, ErrorReply]
-Reply = Union[Reply, AttachReply]
 
 
 # ---------------------------------------------------- training: resident state
@@ -311,12 +301,6 @@ class NormReply(msgspec.Struct, frozen=True, tag="norm_reply"):
     norm: float
 
 
-TrainingRequest = Union[Pending, RunResident, BindSlots, AccumulateGrads, PullSlots, OptimCreate,
-                        OptimStep, OptimZeroGrad, ClipGradNorm, OptimGetState, OptimSetState]
-TRAINING_REQUESTS = (Pending, RunResident, BindSlots, AccumulateGrads, PullSlots, OptimCreate,
-                     OptimStep, OptimZeroGrad, ClipGradNorm, OptimGetState, OptimSetState)
-Request = Union[Request, TrainingRequest]
-Reply = Union[Reply, ResidentReply, PullReply, NormReply, OptimStateReply]
 
 
 # -------------------------------------------------------------------- profiling
@@ -341,8 +325,14 @@ class ProfileReply(msgspec.Struct, frozen=True, tag="profile_reply"):
     worker_ms: float = 0.0  # the worker's wall time for the whole request (network excluded)
 
 
-Request = Union[Request, ProfileGraph]
-Reply = Union[Reply, ProfileReply]
+# ------------------------------------------------------------ every message, once
+Request = Union[Health, PutGraph, PutTensors, RunGraph, Echo,  # core (§8.1)
+                Attach, Heartbeat, Detach,  # sessions (§8.4)
+                ProfileGraph,  # profiling (§8.3)
+                Pending, RunResident, BindSlots, AccumulateGrads, PullSlots, OptimCreate,  # training (§17)
+                OptimStep, OptimZeroGrad, ClipGradNorm, OptimGetState, OptimSetState]
+Reply = Union[HealthReply, Ok, RunReply, EchoReply, ErrorReply, AttachReply, ProfileReply,
+              ResidentReply, PullReply, NormReply, OptimStateReply]
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True):

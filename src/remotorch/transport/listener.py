@@ -81,7 +81,7 @@ class TcpServer:
 
     @property
     def connections(self) -> int:
-        """Authenticated connections open now (each is one session)."""
+        """Authenticated connections open now."""
         return len(self._channels)
 
     # ------------------------------------------------------------------ accepting

@@ -7,11 +7,10 @@ connection is freed when its lease runs out; so is a connected session that
 sends nothing (no request, no ``Heartbeat``) for a whole lease, which is what a
 killed or frozen client, or a vanished network, looks like from the worker.
 
-A connection that never attaches is its own session, freed when it closes
-(the plain version-1 behaviour).
+A connection that never attaches is its own session, freed when it closes.
 
 The session id is a capability: whoever presents it gets the session, so
-clients draw it from 128 random bits and send it only inside an authenticated
+clients draw it from 192 random bits and send it only inside an authenticated
 connection. Each lease gets a fresh store key (the :class:`Lease` object), so
 freeing an expired session can never touch a later session with the same id.
 """

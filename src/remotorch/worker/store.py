@@ -136,6 +136,3 @@ class SharedStore:
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    def sessions(self) -> int:
-        return len(self._by_session)

@@ -45,24 +45,49 @@ def resolve_device(spec: str = "auto") -> torch.device:
     return device
 
 
+@dataclass(frozen=True, slots=True)
+class _ArgCheck:
+    """What one graph input must be: a tensor of this dtype and rank with these fixed sizes, or a scalar."""
+
+    kind: str  # "tensor", "scalar" or "any"
+    dtype: torch.dtype | None = None
+    rank: int = 0
+    fixed: tuple = ()  # ((dim, size), ...): the sizes that are not symbolic
+
+    def check(self, i: int, v) -> None:
+        if self.kind == "any":
+            return
+        if self.kind == "scalar":
+            if isinstance(v, torch.Tensor):
+                raise InvalidRequestError(f"argument {i} must be a scalar")
+            return
+        if not isinstance(v, torch.Tensor):
+            raise InvalidRequestError(f"argument {i} must be a tensor")
+        shape = v.shape
+        if v.dtype != self.dtype or len(shape) != self.rank or any(shape[d] != n for d, n in self.fixed):
+            raise InvalidRequestError(f"argument {i}: expected {self.dtype} of rank {self.rank} with sizes "
+                                      f"{dict(self.fixed)}, got {v.dtype}{list(shape)}")
+
+    @classmethod
+    def of(cls, meta: dict) -> _ArgCheck:
+        """The check for a placeholder of the graph document."""
+        if meta.get("kind") == "tensor":
+            shape = list(meta.get("shape") or [])
+            fixed = tuple((i, d) for i, d in enumerate(shape) if isinstance(d, int))
+            return cls("tensor", dtype_from_name(str(meta.get("dtype"))), len(shape), fixed)
+        return cls("scalar" if meta.get("kind") == "scalar" else "any")
+
+
 @dataclass
 class _Graph:
     decoded: DecodedGraph
-    checks: list  # per argument: None (anything), "scalar", or (dtype, rank, ((dim, size), ...))
+    checks: list[_ArgCheck]  # one per argument
     compiled: dict  # engine name -> callable
     lock: threading.Lock
 
     @classmethod
     def build(cls, decoded: DecodedGraph) -> _Graph:
-        checks = []
-        for meta in decoded.inputs:
-            if meta.get("kind") == "tensor":
-                shape = list(meta.get("shape") or [])
-                fixed = {i: d for i, d in enumerate(shape) if isinstance(d, int)}
-                checks.append((dtype_from_name(str(meta.get("dtype"))), len(shape), tuple(fixed.items())))
-            else:
-                checks.append("scalar" if meta.get("kind") == "scalar" else None)
-        return cls(decoded, checks, {}, threading.Lock())
+        return cls(decoded, [_ArgCheck.of(meta) for meta in decoded.inputs], {}, threading.Lock())
 
 
 @dataclass(frozen=True)
@@ -331,25 +356,7 @@ class Worker:
         if len(values) != len(graph.checks):
             raise InvalidRequestError(f"graph takes {len(graph.checks)} arguments, got {len(values)}")
         for i, (check, v) in enumerate(zip(graph.checks, values)):
-            if check is None:
-                continue
-            if check == "scalar":
-                if isinstance(v, torch.Tensor):
-                    raise InvalidRequestError(f"argument {i} must be a scalar")
-                continue
-            dtype, rank, fixed = check
-            if not isinstance(v, torch.Tensor):
-                raise InvalidRequestError(f"argument {i} must be a tensor")
-            ok = v.dtype == dtype and v.dim() == rank
-            if ok:
-                shape = v.shape
-                for d, n in fixed:
-                    if shape[d] != n:
-                        ok = False
-                        break
-            if not ok:
-                raise InvalidRequestError(f"argument {i}: expected {dtype} of rank {rank} with sizes "
-                                          f"{dict(fixed)}, got {v.dtype}{list(v.shape)}")
+            check.check(i, v)
 
 
 def _as_list(out) -> list:
