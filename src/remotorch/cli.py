@@ -89,7 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         server = WorkerServer(worker, args.host, args.port, token, max_message_bytes=args.max_message_bytes,
                               lease_s=args.lease, tls=tls, message_timeout=args.message_timeout,
-                              unix_path=args.unix, spin_s=args.spin_us / 1e6)
+                              unix_path=args.unix, spin_s=args.spin_us / 1e6, peer_tls_ca=args.peer_tls_ca)
     except OSError as exc:
         print(f"remotorch serve: cannot listen: {exc}", file=sys.stderr)
         return 2
@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--exit-on-stdin-close", action="store_true", help=argparse.SUPPRESS)
     serve.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve tls:// (encrypted)")
     serve.add_argument("--tls-key", default=None, help="PEM private key (if not in --tls-cert)")
+    serve.add_argument("--peer-tls-ca", default=None,
+                       help="CA certificate (PEM) to check tls:// workers this one sends tensors to "
+                            "(default: the system's CAs)")
     serve.add_argument("--memory-quota", type=_size, default=None,
                        help="bytes one session may hold (weights, graphs), e.g. 4G; default: no quota")
     serve.add_argument("--memory-limit", type=_size, default=None,

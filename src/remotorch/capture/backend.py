@@ -63,6 +63,40 @@ def _saved_from() -> int | None:
     return n if isinstance(n, int) else getattr(meta, "num_forward_returns", None)
 
 
+def _output_plan(kind: str, n_outputs: int) -> tuple[frozenset[int], frozenset[int]]:
+    """(outputs that must come back as real tensors, inputs to fetch before a run).
+
+    aot_autograd's runtime works on some values locally, reading their memory
+    directly: it copies mutated inputs' new values into them, and rebuilds
+    outputs that alias an input or an intermediate from their base. Those
+    outputs must be real, and an input an output aliases must be here. A
+    backward graph's outputs are gradients, which the autograd engine reads
+    in C++: all real.
+    """
+    from torch._functorch._aot_autograd.schemas import OutputType
+    from torch._guards import TracingContext
+
+    everything = frozenset(range(n_outputs))
+    if kind == "backward":
+        return everything, frozenset()
+    ctx = TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx else None
+    if meta is None:
+        return everything, frozenset()
+    mutated = meta.num_mutated_inp_runtime_indices
+    must_real, fetch_first = set(range(mutated)), set(meta.mutated_inp_runtime_indices)
+    n_user = len(meta.output_info)
+    for info in meta.output_info:
+        if info.output_type == OutputType.alias_of_input:
+            fetch_first.add(info.base_idx)
+        elif info.output_type in (OutputType.alias_of_intermediate,
+                                  OutputType.alias_of_intermediate_save_as_output):
+            must_real.add(mutated + n_user + info.base_idx)
+        elif info.output_type == OutputType.alias_of_intermediate_base_is_user_output:
+            must_real.add(mutated + info.base_idx)
+    return frozenset(must_real), frozenset(fetch_first)
+
+
 def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: str,
                   fallback: str, static: bool, kind: str = "inference") -> RemoteGraph:
     """aot_autograd compiler hook: wrap one aten graph for remote execution."""
@@ -80,10 +114,13 @@ def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: 
             payload = encode_graph(gm)
     except UnsupportedGraphError as exc:
         unsupported = exc
+    devices = output_devices(gm)
+    must_real, fetch_first = _output_plan(kind, len(devices))
     return RemoteGraph(payload, runner=runner, engine=engine, fallback=fallback,
                        resident=_static_indices(example_inputs) if static else [],
-                       output_devices=output_devices(gm), local=gm.forward, unsupported=unsupported,
-                       kind=kind, saved_from=_saved_from() if kind == "forward" else None)
+                       output_devices=devices, local=gm.forward, unsupported=unsupported,
+                       kind=kind, saved_from=_saved_from() if kind == "forward" else None,
+                       must_real=must_real, fetch_first=fetch_first)
 
 
 def compile(fn, *, session=None, engine: str = "eager", fallback: str = "local", dynamic: bool | None = None):

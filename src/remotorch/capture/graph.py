@@ -18,6 +18,9 @@ from typing import Protocol
 
 import torch
 
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..client.remote import fetch_all
 from ..codec.graph import GraphPayload
 from ..errors import RemoteError, RemoteFallbackWarning
 
@@ -45,7 +48,8 @@ class RemoteGraph:
     def __init__(self, payload: GraphPayload | None, *, runner: Callable[[], GraphRunner], engine: str,
                  fallback: str, resident: list[int], output_devices: list, local: Callable,
                  unsupported: RemoteError | None = None, kind: str = "inference",
-                 saved_from: int | None = None) -> None:
+                 saved_from: int | None = None, must_real: frozenset[int] = frozenset(),
+                 fetch_first: frozenset[int] = frozenset()) -> None:
         # Instance attribute, not class: dynamo wraps backward graphs with
         # functools.wraps, which copies __dict__ and so keeps the boxed convention.
         self._boxed_call = True
@@ -63,6 +67,16 @@ class RemoteGraph:
         self.kind = kind  # "inference", "forward" (of a training pair) or "backward"
         # forward: outputs from this index on are saved for backward (they stay on the worker)
         self.saved_from = saved_from
+        self.must_real = must_real  # outputs aot_autograd's runtime reads here: always sent back
+        self.fetch_first = fetch_first  # inputs it reads here: fetched before the run if remote
+        self.read_outputs: set[int] = set()  # outputs Python read before: sent back, not kept
+        self.reused_inputs: set[int] = set()  # inputs a later graph of the same call took too: kept
+
+    def keep_candidates(self) -> list[int]:
+        """Tensor outputs that may stay on the worker: not needed here, and not read by Python before."""
+        end = self.saved_from if self.saved_from is not None else len(self.output_devices)
+        return [i for i in range(end) if self.output_devices[i] is not None
+                and i not in self.must_real and i not in self.read_outputs]
 
     def __call__(self, *args) -> list:
         # Boxed (one list) or unboxed (aot wraps backward graphs): graph
@@ -72,10 +86,16 @@ class RemoteGraph:
         runner = self._runner()
         if self._unsupported is not None:
             return self._fall_back(runner, args, self._unsupported, reached_worker=False)
-        try:
-            return runner.run_graph(self, args)
-        except RemoteError as exc:
-            return self._fall_back(runner, args, exc, reached_worker=True)
+        # aot_autograd analyses the first call under a dispatch mode that refuses tensor
+        # subclasses; the runner's own local work (packing, placeholders) is not the graph's
+        with _disable_current_modes():
+            for i in self.fetch_first:
+                fetch_all((args[i],))
+            try:
+                return runner.run_graph(self, args)
+            except RemoteError as exc:
+                error = exc
+        return self._fall_back(runner, args, error, reached_worker=True)
 
     def _fall_back(self, runner: GraphRunner, args: list, exc: RemoteError, *, reached_worker: bool) -> list:
         if self.fallback == "raise" or not runner.prepare_local(self, args, reached_worker):
@@ -87,6 +107,8 @@ class RemoteGraph:
             warnings.warn(f"remotorch: graph {self.graph_id[:12] or '(not encodable)'} runs locally "
                           f"({type(exc).__name__}: {short})", RemoteFallbackWarning, stacklevel=3)
         log.debug("local fallback for graph %s", self.graph_id[:12], exc_info=exc)
+        with _disable_current_modes():
+            fetch_all(args)  # values still on a worker are read here
         return list(self._local(*args))
 
 

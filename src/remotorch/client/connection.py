@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
 import torch
 
 from .. import errors
@@ -35,6 +36,8 @@ from ..codec.frames import SCALARS, FrameReader, FrameWriter
 from ..codec.tensors import content_id, tensor_to_wire
 from ..transport import TcpTransport, Transport
 from ..transport.tls import client_context
+from .handles import HandleTable
+from .remote import RemoteTensor, arg_of, call_scope, placeholder, plain, remote_ref
 
 if TYPE_CHECKING:
     from ..codec.graph import GraphPayload
@@ -60,6 +63,8 @@ class Graph(Protocol):
     output_devices: list  # the device of each output (None: not a tensor)
     kind: str  # "inference", "forward" (of a training pair) or "backward"
     saved_from: int | None  # forward: outputs from here on are saved for backward
+    read_outputs: set[int]  # outputs Python read (learned): not kept on the worker
+    reused_inputs: set[int]  # inputs a later graph of the same call took too (learned): kept there
 
 
 class ContentIds:
@@ -137,6 +142,19 @@ class Connection:
         self._heartbeat_stop = threading.Event()
         self._closed = False
         self.on_reset: list[Callable[[], None]] = []  # called when the worker lost this session
+        self.handles = HandleTable()  # values the worker keeps for this session, by id
+        # contributors of deferred housekeeping (training: slots, optimizers…): each returns
+        # a dict of Pending fields to add, or None
+        self.pending_hooks: list[Callable[[], dict | None]] = []
+        # large inputs sent during the current call of a compiled function:
+        # id(tensor) -> (ref, version, graph ref, argument index, handle id or None). An input
+        # that a later graph of the same call takes too is kept on the worker from the next
+        # call on (the graph learns it), and that later graph references it.
+        self.reuse_min_bytes = 64 << 10
+        self._scope = None  # the frame of that call (held, so its id cannot name a later call)
+        self._sent: dict[int, tuple] = {}
+        self._sending: dict[int, tuple] = {}  # this request's additions, committed when it succeeds
+        self._keep_inputs: list[list[int]] = []
 
     # ------------------------------------------------------------------ lifetime
     @property
@@ -274,12 +292,25 @@ class Connection:
         ``warmups`` and ``repeats``).
         """
         engine = engine or graph.engine
+        self.import_values(args)
+        reuse = request is m.RunGraph and self._reuse_scope(args)
 
         def build():
-            run_args, frames = self.pack_args(graph, args)
-            return request(graph.graph_id, engine, run_args, **fields), frames
+            run_args, frames = self.pack_args(graph, args, reuse)
+            extra = dict(fields, keep_inputs=self._keep_inputs) if self._keep_inputs else fields
+            return request(graph.graph_id, engine, run_args, **extra), frames
 
-        reply, frames = self.call(build, graph)
+        try:
+            reply, frames = self.call(build, graph)
+        except BaseException:
+            for entry in self._sending.values():  # may or may not be on the worker: let it drop them
+                if entry[4] is not None:
+                    self.handles.release(entry[4])
+            self._sending.clear()
+            raise
+        if self._sending:
+            self._sent.update(self._sending)
+            self._sending.clear()
         self.stats["remote_calls"] += 1
         self.stats["remote_ms"] += getattr(reply, "run_ms", 0.0)
         return reply, frames
@@ -293,21 +324,125 @@ class Connection:
         self.graphs.add(graph.graph_id)
         self.stats["graphs_uploaded"] += 1
 
-    def pack_args(self, graph: Graph, args: Sequence) -> tuple[list, list]:
-        """Wire arguments: resident tensors by content id (uploading what the worker lacks), others inline."""
+    def pack_args(self, graph: Graph, args: Sequence, reuse: bool = False) -> tuple[list, list]:
+        """Wire arguments: resident tensors by content id (uploading what the worker lacks), values
+        kept on a worker by handle, others inline.
+
+        With ``reuse``, a large input already sent during the same call of the
+        compiled function (same object, same version) is referenced, and one
+        sent now is kept on the worker for the rest of the call.
+        """
         resident = graph.resident_set
         w, run_args, uploads = FrameWriter(), [], {}
+        self._sending.clear()
+        self._keep_inputs = []
         for i, a in enumerate(args):
-            if i in resident and isinstance(a, torch.Tensor):
+            if type(a) is RemoteTensor:
+                run_args.append(self.value_arg(a, w))
+            elif i in resident and isinstance(a, torch.Tensor):
                 tid = self.ids.get(a)[0]
                 if tid not in self.tensors:
                     uploads[tid] = a
                 run_args.append(m.RefArg(tid))
+            elif reuse and isinstance(a, torch.Tensor) and a.nbytes >= self.reuse_min_bytes:
+                run_args.append(self._sent_once(graph, i, a, w))
             else:
                 run_args.append(w.value(a))
         if uploads:
             self.upload(uploads)
         return run_args, w.frames
+
+    def _reuse_scope(self, args: Sequence) -> bool:
+        """Whether inputs may be reused within this call; a new call releases the last one's."""
+        big = any(isinstance(a, torch.Tensor) and type(a) is not RemoteTensor and a.nbytes >= self.reuse_min_bytes
+                  for a in args)
+        if not big and not self._sent:
+            return False
+        scope = call_scope()
+        if scope is None:
+            return False
+        if scope is not self._scope:
+            for entry in self._sent.values():
+                if entry[4] is not None:
+                    self.handles.release(entry[4])
+            self._sent.clear()
+            self._scope = scope
+        return big
+
+    def _sent_once(self, graph: Graph, i: int, t: torch.Tensor, w: FrameWriter):
+        entry = self._sent.get(id(t))
+        if entry is not None and entry[0]() is t and entry[1] == t._version:
+            if entry[4] is not None:
+                return m.HandleArg(entry[4])
+            origin = entry[2]()
+            if origin is not None:  # sent twice in one call: keep it at its first graph next time
+                origin.reused_inputs.add(entry[3])
+            return w.value(t)
+        if id(t) in self._sending:  # the same tensor twice in one request: sent twice
+            return w.value(t)
+        hid = None
+        if i in getattr(graph, "reused_inputs", ()):
+            hid = self.handles.reserve(1)
+            self.handles.seen(hid)
+            self._keep_inputs.append([i, hid])
+        self._sending[id(t)] = (weakref.ref(t), t._version, weakref.ref(graph), i, hid)
+        return w.value(t)
+
+    # ------------------------------------------------- values that stay on workers
+    def value_arg(self, t: RemoteTensor, w: FrameWriter):
+        """A placeholder as an argument here: its handle (or view), a copy moved here, or its data."""
+        ref = remote_ref(t)
+        if ref is None:
+            return w.value(plain(t))  # fetched already: an ordinary tensor
+        if ref.conn is self:
+            return arg_of(t)
+        copy = ref.copies.get((id(self), _view_key(t)))
+        if copy is None:
+            raise errors.ProtocolError("a value of another worker was not moved here first")
+        return m.HandleArg(copy[1])
+
+    def import_values(self, args: Sequence) -> None:
+        """Move values that other workers keep, among ``args``, to this worker (worker to worker).
+
+        Call before the request that uses them, without holding this
+        connection's lock: each transfer takes the two connections' locks one
+        after the other, never together.
+        """
+        for t in args:
+            ref = remote_ref(t)
+            if ref is None or ref.conn is self or (id(self), _view_key(t)) in ref.copies:
+                continue
+            if self.transport is not None and not self.url:
+                raise errors.WorkerUnavailableError("this worker has no address another worker can reach")
+            arg = arg_of(t)
+            hid = self.handles.reserve(1)
+            ticket, _ = self.request(m.ExpectHandles([hid], [m.TensorMeta(_dtype(t), list(t.shape),
+                                                                              list(t.stride()), 0)]))
+            self.handles.seen(hid)  # from now on the worker may hold it: released with the placeholder
+            ref.copies[(id(self), _view_key(t))] = (self, hid)
+            ref.conn.request(m.SendHandles([arg], self.url or "", ticket.ticket_id, ticket.secret))
+
+    def fetch(self, arg: m.HandleArg | m.ViewArg) -> torch.Tensor:
+        """The tensor of a handle (or a view of one) this worker keeps; it stays there."""
+        with self.lock:
+            reply, frames = self.request(m.Fetch([arg]))
+        if not isinstance(reply, m.FetchReply) or len(reply.values) != 1:
+            raise errors.ProtocolError("worker answered a fetch with the wrong reply")
+        return FrameReader(frames).tensor(reply.values[0])
+
+    def unpack(self, graph: Graph, outputs: list, frames: list) -> list:
+        """A reply's outputs: tensors sent back, on the devices the graph's outputs live on; kept
+        ones as placeholders (``RemoteTensor``) standing for their handles here."""
+        if len(outputs) != len(graph.output_devices):
+            raise errors.ProtocolError("worker returned the wrong number of outputs")
+        reader, out = FrameReader(frames), []
+        for i, (arg, device) in enumerate(zip(outputs, graph.output_devices)):
+            if isinstance(arg, m.KeptArg):
+                self.handles.seen(arg.id)
+                out.append(placeholder(self, arg, device, graph, i))
+            else:
+                out.append(reader.value(arg, device))
+        return out
 
     def refs(self, tensors: Sequence[torch.Tensor]) -> list[str]:
         """Content ids of resident tensors, uploading those the worker lacks."""
@@ -334,8 +469,35 @@ class Connection:
         self.tensors.update(tensors)
         self.stats["tensors_uploaded"] += len(tensors)
 
+    # ------------------------------------------------------------ housekeeping
+    def take_pending(self) -> m.Pending | None:
+        """Deferred housekeeping (released handles, and what the hooks add), None when there is none."""
+        handles = self.handles.take_released()
+        extra = [hook() for hook in self.pending_hooks] if self.pending_hooks else ()
+        if not handles and not any(extra):
+            return None
+        fields: dict[str, list] = {"handles": handles}
+        for more in extra:
+            for key, values in (more or {}).items():
+                fields.setdefault(key, []).extend(values)
+        return m.Pending(**fields)
+
+    def flush(self) -> None:
+        """Send deferred housekeeping now (normally it rides on the next request that can carry it)."""
+        with self.lock:
+            pending = self.take_pending()
+            if pending is not None:
+                self.request(pending)
+
     def request(self, body, frames: Sequence = ()):
-        """Send one request; the decoded reply and its frames, or its error raised as a ``RemoteError``."""
+        """Send one request; the decoded reply and its frames, or its error raised as a ``RemoteError``.
+
+        A request that can carry deferred housekeeping (a ``pending`` field) carries it.
+        """
+        if "pending" in body.__struct_fields__ and body.pending is None:
+            pending = self.take_pending()
+            if pending is not None:
+                body = msgspec.structs.replace(body, pending=pending)
         if time.monotonic() < self._down_until:
             raise errors.WorkerUnavailableError(f"worker {self.url or 'local'} failed moments ago; "
                                                 f"not retrying for {self._retry_after}s")
@@ -369,6 +531,16 @@ def unpack_outputs(graph: Graph, outputs: list, frames: list) -> list:
         raise errors.ProtocolError("worker returned the wrong number of outputs")
     reader = FrameReader(frames)
     return [reader.value(arg, device) for arg, device in zip(outputs, graph.output_devices)]
+
+
+def _view_key(t: RemoteTensor):
+    view = t.__dict__.get("_rt_view")
+    return None if view is None else (tuple(view[0]), tuple(view[1]), view[2])
+
+
+def _dtype(t: torch.Tensor) -> str:
+    from ..codec.tensors import dtype_name
+    return dtype_name(t.dtype)
 
 
 def _heartbeats(ref: weakref.ref, stop: threading.Event) -> None:

@@ -23,7 +23,7 @@ from .. import errors
 from ..codec import messages as m
 from ..config import from_env
 from ..transport import Transport
-from .connection import Connection, ContentIds, Graph, unpack_outputs
+from .connection import Connection, ContentIds, Graph
 from .embedded import EmbeddedWorker
 from .pool import Pool, split_urls
 
@@ -75,6 +75,13 @@ class Session:
     latency for calls that answer within the window, at the cost of a busy
     core meanwhile (pair it with ``remotorch serve --spin-us``).
 
+    ``keep_outputs`` (default on): a graph output that Python has not read
+    stays on the worker, standing here as a ``RemoteTensor``
+    (:mod:`remotorch.client.remote`): passed to the next graph it travels
+    as a reference (worker to worker when that graph runs elsewhere), read
+    by anything else it is fetched once. An output Python read once comes
+    back directly from then on; outputs under ``keep_min_bytes`` always do.
+
     ``transport`` replaces the first worker's socket transport (an in-memory
     one in unit tests).
     """
@@ -87,7 +94,8 @@ class Session:
                  timeout: float | None = 300.0, connect_timeout: float = 5.0,
                  transport: Transport | None = None, retry_after: float = 1.0,
                  tokens: Mapping[str, str] | None = None, prices: Mapping[str, float] | None = None,
-                 tls_ca: str | None = None, spin_us: float | None = None) -> None:
+                 tls_ca: str | None = None, spin_us: float | None = None, keep_outputs: bool = True,
+                 keep_min_bytes: int = 1024) -> None:
         env = from_env()
         urls = split_urls(url)
         if urls == [None]:
@@ -95,6 +103,8 @@ class Session:
         if spin_us is not None and not spin_us >= 0:
             raise ValueError(f"spin_us must be >= 0, got {spin_us!r}")
         self.device = device
+        self.keep_outputs = keep_outputs
+        self.keep_min_bytes = keep_min_bytes
         self._token = token if token is not None else env.token
         self._tokens = dict(tokens or {})
         self._spin_s = (spin_us if spin_us is not None else env.spin_us) / 1e6
@@ -254,8 +264,14 @@ class Session:
         training = self.training
         if graph.kind != "inference" or (training is not None and training.bound):
             return self.stateful().run(graph, args)
-        reply, frames = self.connection.run(graph, args)
-        return unpack_outputs(graph, reply.outputs, frames)
+        conn = self.connection
+        keep = graph.keep_candidates() if self.keep_outputs else ()
+        if keep:
+            reply, frames = conn.run(graph, args, keep=keep, handle_base=conn.handles.reserve(len(keep)),
+                                     keep_min_bytes=self.keep_min_bytes)
+        else:
+            reply, frames = conn.run(graph, args)
+        return conn.unpack(graph, reply.outputs, frames)
 
     def prepare_local(self, graph: Graph, args: Sequence, reached_worker: bool) -> bool:
         """May this graph run locally instead? Brings back what it needs first.

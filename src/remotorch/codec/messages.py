@@ -42,12 +42,60 @@ class ScalarArg(msgspec.Struct, frozen=True, tag="s", array_like=True):
     value: Union[int, float, bool, None]
 
 
+class HandleArg(msgspec.Struct, frozen=True, tag="h", array_like=True):
+    """A tensor the worker keeps for this session (a saved activation), by handle id."""
+
+    id: int
+
+
+class SlotArg(msgspec.Struct, frozen=True, tag="p", array_like=True):
+    """A trainable parameter the worker keeps for this session, by slot id."""
+
+    id: int
+
+
+class ViewArg(msgspec.Struct, frozen=True, tag="v", array_like=True):
+    """A view of a handle's tensor: sizes, strides and offset in elements, within its storage."""
+
+    id: int
+    shape: list[int]
+    strides: list[int]
+    offset: int
+
+
+class KeptArg(msgspec.Struct, frozen=True, tag="k", array_like=True):
+    """An output the worker kept as handle ``id`` (instead of sending it), with its layout."""
+
+    id: int
+    dtype: str
+    shape: list[int]
+    strides: list[int]
+
+
 Arg = Union[TensorArg, RefArg, ScalarArg]
+ResidentArg = Union[TensorArg, RefArg, ScalarArg, HandleArg, SlotArg, ViewArg]
+OutputArg = Union[TensorArg, ScalarArg, HandleArg, KeptArg]
 
 
 # ----------------------------------------------------------------------- requests
 class Health(msgspec.Struct, frozen=True, tag="health"):
     """Ask who the worker is and what it offers."""
+
+
+class Pending(msgspec.Struct, frozen=True, tag="pending"):
+    """Housekeeping the client deferred: applied before the request that carries it.
+
+    ``zero_grad``: optimizers whose gradients are cleared (set to None) first;
+    then the handles, parameter slots, optimizers and uploaded tensors
+    (content ids, e.g. a buffer's superseded value) the client no longer
+    references are dropped. Ids the session does not hold are ignored.
+    """
+
+    handles: list[int] = []
+    slots: list[int] = []
+    optims: list[int] = []
+    zero_grad: list[int] = []
+    tensors: list[str] = []
 
 
 class PutGraph(msgspec.Struct, frozen=True, tag="put_graph"):
@@ -56,6 +104,7 @@ class PutGraph(msgspec.Struct, frozen=True, tag="put_graph"):
     graph_id: str
     doc: bytes
     consts: list[TensorMeta] = []
+    pending: Union[Pending, None] = None
 
 
 class PutTensors(msgspec.Struct, frozen=True, tag="put_tensors"):
@@ -63,14 +112,25 @@ class PutTensors(msgspec.Struct, frozen=True, tag="put_tensors"):
 
     ids: list[str]
     metas: list[TensorMeta]
+    pending: Union[Pending, None] = None
 
 
 class RunGraph(msgspec.Struct, frozen=True, tag="run"):
-    """Run an uploaded graph on an engine with the given flat arguments."""
+    """Run an uploaded graph on an engine with the given flat arguments.
+
+    Tensor outputs whose index is in ``keep`` stay on the worker as handles
+    ``handle_base``, ``handle_base + 1``, … in ``keep`` order, answered as
+    ``KeptArg`` (the worker may send one inline instead, e.g. over its quota).
+    """
 
     graph_id: str
     engine: str
-    args: list[Arg]
+    args: list[ResidentArg]
+    keep: list[int] = []
+    handle_base: int = 0
+    pending: Union[Pending, None] = None
+    keep_min_bytes: int = 0  # outputs of ``keep`` smaller than this are sent back anyway
+    keep_inputs: list[list[int]] = []  # [argument index, handle id]: keep these inputs as handles too
 
 
 class Echo(msgspec.Struct, frozen=True, tag="echo"):
@@ -122,9 +182,9 @@ class Ok(msgspec.Struct, frozen=True, tag="ok"):
 
 
 class RunReply(msgspec.Struct, frozen=True, tag="run_reply"):
-    """Flat outputs (tensors in frames, scalars inline) and the worker's own timing."""
+    """Flat outputs (tensors in frames, scalars inline, kept ones as handles) and the worker's own timing."""
 
-    outputs: list[Arg]
+    outputs: list[OutputArg]
     run_ms: float
     compiled: bool = False  # this call compiled the graph for its engine
 
@@ -148,36 +208,7 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
 # in the session; the client names them by small integers it chooses itself
 # (never reused within a client session, so a stale id can never name new state).
 # Every training request may carry ``pending`` housekeeping, applied first.
-class HandleArg(msgspec.Struct, frozen=True, tag="h", array_like=True):
-    """A tensor the worker keeps for this session (a saved activation), by handle id."""
-
-    id: int
-
-
-class SlotArg(msgspec.Struct, frozen=True, tag="p", array_like=True):
-    """A trainable parameter the worker keeps for this session, by slot id."""
-
-    id: int
-
-
-ResidentArg = Union[TensorArg, RefArg, ScalarArg, HandleArg, SlotArg]
 Hyper = Union[int, float, bool, None, str, list[Union[int, float, bool]]]
-
-
-class Pending(msgspec.Struct, frozen=True, tag="pending"):
-    """Housekeeping the client deferred: applied before the request that carries it.
-
-    ``zero_grad``: optimizers whose gradients are cleared (set to None) first;
-    then the handles, parameter slots, optimizers and uploaded tensors
-    (content ids, e.g. a buffer's superseded value) the client no longer
-    references are dropped. Ids the session does not hold are ignored.
-    """
-
-    handles: list[int] = []
-    slots: list[int] = []
-    optims: list[int] = []
-    zero_grad: list[int] = []
-    tensors: list[str] = []
 
 
 class RunResident(msgspec.Struct, frozen=True, tag="run_resident"):
@@ -195,6 +226,9 @@ class RunResident(msgspec.Struct, frozen=True, tag="run_resident"):
     handle_base: int = 0
     grads: list[list[int]] = []
     pending: Union[Pending, None] = None
+    keep: list[int] = []  # outputs before keep_from kept too (as KeptArg), numbered after the saved ones
+    keep_min_bytes: int = 0
+    keep_inputs: list[list[int]] = []
 
 
 class BindSlots(msgspec.Struct, frozen=True, tag="bind_slots"):
@@ -285,7 +319,7 @@ class OptimStateReply(msgspec.Struct, frozen=True, tag="optim_state_reply"):
 class ResidentReply(msgspec.Struct, frozen=True, tag="resident_reply"):
     """Outputs of a RunResident: tensors in frames, scalars, or handles kept on the worker."""
 
-    outputs: list[ResidentArg]
+    outputs: list[OutputArg]
     run_ms: float
     compiled: bool = False
 
@@ -325,14 +359,66 @@ class ProfileReply(msgspec.Struct, frozen=True, tag="profile_reply"):
     worker_ms: float = 0.0  # the worker's wall time for the whole request (network excluded)
 
 
+# --------------------------------------------------- values that stay on the worker
+class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
+    """Send back the tensors of handles (or of views of them), without dropping them."""
+
+    args: list[Union[HandleArg, ViewArg]]
+    pending: Union[Pending, None] = None
+
+
+class FetchReply(msgspec.Struct, frozen=True, tag="fetch_reply"):
+    """The fetched tensors, in frames, in the order asked."""
+
+    values: list[TensorMeta]
+
+
+class ExpectHandles(msgspec.Struct, frozen=True, tag="expect_handles"):
+    """Prepare to receive tensors from another worker as these handles of this session.
+
+    The worker answers a one-time ticket; a worker that presents it (``Deliver``)
+    may store exactly these tensors, of exactly these layouts, and nothing else.
+    """
+
+    handles: list[int]
+    metas: list[TensorMeta]  # dtype, shape, strides of each (``frame`` unused)
+    pending: Union[Pending, None] = None
+
+
+class TicketReply(msgspec.Struct, frozen=True, tag="ticket_reply"):
+    """A one-time capability: ``ticket_id`` names it, ``secret`` authenticates its bearer."""
+
+    ticket_id: bytes
+    secret: bytes
+    expires_s: float
+
+
+class SendHandles(msgspec.Struct, frozen=True, tag="send_handles"):
+    """Send these handles' tensors (or views) to the worker at ``url`` under its ticket; answered
+    ``Ok`` once that worker stored them."""
+
+    args: list[Union[HandleArg, ViewArg]]
+    url: str
+    ticket_id: bytes
+    secret: bytes
+    pending: Union[Pending, None] = None
+
+
+class Deliver(msgspec.Struct, frozen=True, tag="deliver"):
+    """Worker to worker, on a connection opened with a ticket: the tensors it names, in frames."""
+
+    metas: list[TensorMeta]
+
+
 # ------------------------------------------------------------ every message, once
 Request = Union[Health, PutGraph, PutTensors, RunGraph, Echo,  # core (§8.1)
                 Attach, Heartbeat, Detach,  # sessions (§8.4)
                 ProfileGraph,  # profiling (§8.3)
                 Pending, RunResident, BindSlots, AccumulateGrads, PullSlots, OptimCreate,  # training (§17)
-                OptimStep, OptimZeroGrad, ClipGradNorm, OptimGetState, OptimSetState]
+                OptimStep, OptimZeroGrad, ClipGradNorm, OptimGetState, OptimSetState,
+                Fetch, ExpectHandles, SendHandles, Deliver]  # values that stay on the worker (§18)
 Reply = Union[HealthReply, Ok, RunReply, EchoReply, ErrorReply, AttachReply, ProfileReply,
-              ResidentReply, PullReply, NormReply, OptimStateReply]
+              ResidentReply, PullReply, NormReply, OptimStateReply, FetchReply, TicketReply]
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-import msgspec
 import torch
 
 from .. import errors
@@ -30,7 +29,8 @@ from ..client.connection import Connection, Graph
 from ..client.session import Session
 from ..codec import messages as m
 from ..codec.frames import FrameReader, FrameWriter
-from .handles import ForwardCall, HandleTable, call_of, handle_of
+from .handles import ForwardCall, call_of, handle_of
+from .handles import placeholder as activation
 from .params import ParamSlots, Slot, owner_of, waiting_optimizers
 
 log = logging.getLogger(__name__)
@@ -46,12 +46,13 @@ class TrainingClient:
 
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
-        self.handles = HandleTable()
+        self.handles = connection.handles
         self.slots = ParamSlots(self)
         self._next_optim = 1
         self._dropped_optims: list[int] = []
         self._zero_grad: list[int] = []
         self._superseded: list[str] = []
+        connection.pending_hooks.append(self._take_pending)
 
     @property
     def closed(self) -> bool:
@@ -80,31 +81,23 @@ class TrainingClient:
         if oid not in self._zero_grad:
             self._zero_grad.append(oid)
 
-    def take_pending(self) -> m.Pending | None:
-        """Deferred housekeeping to piggy-back on the next training request (None: nothing)."""
-        handles, slots = self.handles.take_released(), self.slots.take_dropped()
+    def _take_pending(self) -> dict | None:
+        """This client's deferred housekeeping, for the connection's next request (None: nothing)."""
+        slots = self.slots.take_dropped()
         optims, self._dropped_optims = self._dropped_optims, []
         zero, self._zero_grad = self._zero_grad, []
         superseded, self._superseded = self._superseded, []
-        if not (handles or slots or optims or zero or superseded):
+        if not (slots or optims or zero or superseded):
             return None
-        return m.Pending(handles, slots, optims, zero, superseded)
-
-    def with_pending(self, body):
-        """``body`` carrying the deferred housekeeping (applied by the worker before the request)."""
-        pending = self.take_pending()
-        return body if pending is None else msgspec.structs.replace(body, pending=pending)
+        return dict(slots=slots, optims=optims, zero_grad=zero, tensors=superseded)
 
     def request(self, body, frames: Sequence = ()):
-        """Send a training request with the deferred housekeeping riding on it."""
-        return self.connection.request(self.with_pending(body), frames)
+        """Send a training request (deferred housekeeping rides on it)."""
+        return self.connection.request(body, frames)
 
     def flush(self) -> None:
-        """Send deferred housekeeping now (normally it waits for the next training request)."""
-        with self.connection.lock:
-            pending = self.take_pending()
-            if pending is not None:
-                self.connection.request(pending)
+        """Send deferred housekeeping now (normally it waits for the next request)."""
+        self.connection.flush()
 
     # -------------------------------------------------------------------- slots
     def claim(self, t: torch.Tensor) -> Slot:
@@ -168,7 +161,7 @@ class TrainingClient:
         def build():
             req, frames, call = self._pack(graph, args)
             calls.append(call)
-            return self.with_pending(req), frames
+            return req, frames
 
         with conn.lock:
             reply, frames = conn.call(build, graph)
@@ -242,8 +235,7 @@ class TrainingClient:
         reader, outs = FrameReader(frames), []
         for arg, device in zip(reply.outputs, graph.output_devices):
             if isinstance(arg, m.HandleArg):
-                outs.append(self.handles.placeholder(arg.id, call))
-                self.handles.seen(arg.id)
+                outs.append(activation(self.handles, arg.id, call))
             else:
                 outs.append(reader.value(arg, device))
         return outs

@@ -19,10 +19,11 @@ that outlives a lost connection can never name another tensor.
 from __future__ import annotations
 
 import weakref
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+
+from ..client.handles import HandleTable
 
 _HANDLE_ATTR = "_remotorch_handle"
 _CALL_ATTR = "_remotorch_call"
@@ -48,45 +49,11 @@ def call_of(t: torch.Tensor) -> ForwardCall | None:
     return getattr(t, _CALL_ATTR, None)
 
 
-class HandleTable:
-    """Hands out handle ids, makes placeholders, and queues the ids of freed ones."""
-
-    def __init__(self) -> None:
-        self._next = 1
-        self._refs: dict[int, weakref.ref] = {}
-        self._released: deque[int] = deque()
-
-    def reserve(self, n: int) -> int:
-        """The first of ``n`` fresh, consecutive handle ids."""
-        base = self._next
-        self._next += n
-        return base
-
-    def seen(self, hid: int) -> None:
-        """Never hand out ``hid`` again (the worker kept more outputs than reserved for)."""
-        self._next = max(self._next, hid + 1)
-
-    def placeholder(self, hid: int, call: ForwardCall) -> torch.Tensor:
-        """An empty tensor standing for worker handle ``hid``; its death releases the handle."""
-        t = torch.empty(0)
-        setattr(t, _HANDLE_ATTR, hid)
-        setattr(t, _CALL_ATTR, call)
-        self._refs[hid] = weakref.ref(t, lambda _, h=hid: self._dead(h))
-        return t
-
-    def _dead(self, hid: int) -> None:
-        # runs inside garbage collection, on any thread: only deque appends and dict pops
-        self._refs.pop(hid, None)
-        self._released.append(hid)
-
-    def take_released(self) -> list[int]:
-        """Ids freed since the last call (to piggy-back on the next request)."""
-        out = []
-        while self._released:
-            out.append(self._released.popleft())
-        return out
-
-    @property
-    def live(self) -> int:
-        """Placeholders alive now (handles the worker still keeps for us)."""
-        return len(self._refs)
+def placeholder(table: HandleTable, hid: int, call: ForwardCall) -> torch.Tensor:
+    """An empty tensor standing for activation handle ``hid``; its death releases the handle."""
+    t = torch.empty(0)
+    setattr(t, _HANDLE_ATTR, hid)
+    setattr(t, _CALL_ATTR, call)
+    table.seen(hid)
+    weakref.finalize(t, table.release, hid).atexit = False
+    return t

@@ -93,20 +93,23 @@ class TcpTransport(Transport):
     verifying the worker's certificate, before the token handshake.
     ``on_connect`` runs on each new connection before the first request
     (a connection uses it to re-attach to its session on the worker).
+    With ``ticket_id`` the connection is opened with another worker's
+    one-time ticket instead of a token (``token`` is the ticket's secret).
     """
 
-    def __init__(self, url: str, token: str | None = None, *, protocol: int,
+    def __init__(self, url: str, token: str | bytes | None = None, *, protocol: int,
                  connect_timeout: float = 5.0, timeout: float | None = 300.0,
                  tls: ssl.SSLContext | None = None, on_connect: OnConnect | None = None,
-                 spin_s: float = 0.0) -> None:
+                 spin_s: float = 0.0, ticket_id: bytes | None = None) -> None:
         self.url = url
+        self._ticket_id = ticket_id  # present this one-time ticket (``token`` is its secret)
         self.spin_s = max(0.0, spin_s)  # busy-poll this long for a reply before sleeping
         self.host, self.port = parse_url(url)  # (path, -1) for unix://
         if tls is None and url.startswith("tls://"):
             tls = client_context()
         self._tls = tls
         self.on_connect = on_connect
-        self._token = (token or "").encode()
+        self._token = token if isinstance(token, bytes) else (token or "").encode()
         self._protocol = protocol
         self.connect_timeout = connect_timeout
         self.timeout = timeout
@@ -123,7 +126,7 @@ class TcpTransport(Transport):
         with _mapped_errors(f"worker at {self.url} (handshake)", self.connect_timeout, sock.close):
             if self._tls is not None:
                 sock = wrap_client(self._tls, sock, self.host)
-            key = client_handshake(sock, self._token, self._protocol)
+            key = client_handshake(sock, self._token, self._protocol, self._ticket_id)
         sock.settimeout(self.timeout)
         channel = FramedChannel(sock, key, role="client", max_frame=DEFAULT_MAX_FRAME, max_header=DEFAULT_MAX_FRAME)
         if self.on_connect is not None:

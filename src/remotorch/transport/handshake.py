@@ -13,13 +13,16 @@ import hmac
 import os
 import socket
 import struct
+from collections.abc import Callable
 
 import numpy as np
 
 from .framing import MAC_SIZE, AuthFailed, FramingError, _mac
 
 HELLO = b"RMTH"
+TICKET_HELLO = b"RMTT"  # a worker presenting another worker's one-time ticket instead of the token
 _HELLO = struct.Struct("<4sI32s")
+TICKET_ID_SIZE = 16
 
 
 def recv_exact(sock: socket.socket, n: int) -> np.ndarray:
@@ -39,10 +42,19 @@ def _derive(token: bytes, cn: bytes, sn: bytes) -> tuple[bytes, bytes, bytes]:
     return (_mac(token, b"server", cn, sn), _mac(token, b"client", cn, sn), _mac(token, b"session", cn, sn))
 
 
-def client_handshake(sock: socket.socket, token: bytes, version: int) -> bytes:
-    """Prove the token to the server and make it prove it back; returns the session key."""
+def client_handshake(sock: socket.socket, token: bytes, version: int, ticket_id: bytes | None = None) -> bytes:
+    """Prove the token to the server and make it prove it back; returns the session key.
+
+    With ``ticket_id``, ``token`` is that ticket's secret: the hello names the
+    ticket (its id is not secret), and the proofs are made with the secret.
+    """
     cn = os.urandom(32)
-    sock.sendall(_HELLO.pack(HELLO, version, cn))
+    if ticket_id is None:
+        sock.sendall(_HELLO.pack(HELLO, version, cn))
+    else:
+        if len(ticket_id) != TICKET_ID_SIZE:
+            raise ValueError("a ticket id is 16 bytes")
+        sock.sendall(_HELLO.pack(TICKET_HELLO, version, cn) + ticket_id)
     magic, sversion, sn = _HELLO.unpack(recv_exact(sock, _HELLO.size).tobytes())
     if magic != HELLO:
         raise FramingError("peer is not a remotorch worker")
@@ -61,8 +73,23 @@ def client_handshake(sock: socket.socket, token: bytes, version: int) -> bytes:
 
 def server_handshake(sock: socket.socket, token: bytes, version: int) -> bytes:
     """Server side of :func:`client_handshake`; raises AuthFailed on a bad proof."""
+    return accept_handshake(sock, token, version)[0]
+
+
+def accept_handshake(sock: socket.socket, token: bytes, version: int,
+                     tickets: Callable[[bytes], bytes | None] | None = None) -> tuple[bytes, bytes | None]:
+    """Server side of :func:`client_handshake`: (session key, the ticket id the peer presented or None).
+
+    ``tickets(ticket_id)`` gives an outstanding ticket's secret (None: no such
+    ticket). A peer naming an unknown ticket is answered as one with a wrong
+    token (a proof made with a random secret), so the answer tells nothing.
+    """
     magic, cversion, cn = _HELLO.unpack(recv_exact(sock, _HELLO.size).tobytes())
-    if magic != HELLO:
+    ticket_id = None
+    if magic == TICKET_HELLO and tickets is not None:
+        ticket_id = recv_exact(sock, TICKET_ID_SIZE).tobytes()
+        token = tickets(ticket_id) or os.urandom(32)
+    elif magic != HELLO:
         raise FramingError("peer did not open with a remotorch hello")
     sn = os.urandom(32)
     server_proof, expect_client, key = _derive(token, cn, sn)
@@ -74,4 +101,4 @@ def server_handshake(sock: socket.socket, token: bytes, version: int) -> bytes:
         sock.sendall(b"\x00")
         raise AuthFailed("client failed the token challenge")
     sock.sendall(b"\x01")
-    return key
+    return key, ticket_id

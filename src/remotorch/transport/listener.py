@@ -32,13 +32,16 @@ import time
 from collections.abc import Callable, Sequence
 
 from .framing import AuthFailed, FramedChannel, FramingError, MessageTooLarge
-from .handshake import server_handshake
+from .handshake import accept_handshake
 from .tls import wrap_server
 
 log = logging.getLogger(__name__)
 
 # handler(connection_id, header, frames) -> (reply_header, reply_frames)
 Handler = Callable[[int, bytes, list], tuple[bytes, Sequence]]
+# ticket_handler(ticket_id, header, frames) -> (reply_header, reply_frames): the one message
+# of a connection opened with a one-time ticket instead of the token (worker to worker)
+TicketHandler = Callable[[bytes, bytes, list], tuple[bytes, Sequence]]
 
 
 class TcpServer:
@@ -50,8 +53,12 @@ class TcpServer:
                  protocol_error: Callable[[str], bytes] | None = None,
                  tls: ssl.SSLContext | None = None, unix_path: str | None = None,
                  spin_s: float = 0.0, max_message: int | None = None,
-                 limit_error: Callable[[str], bytes] | None = None) -> None:
+                 limit_error: Callable[[str], bytes] | None = None,
+                 tickets: Callable[[bytes], bytes | None] | None = None,
+                 ticket_handler: TicketHandler | None = None) -> None:
         self._handler = handler
+        self._tickets = tickets if ticket_handler is not None else None
+        self._ticket_handler = ticket_handler
         self._spin_s = max(0.0, spin_s)  # busy-poll this long for the next message before sleeping
         self._token = (token or "").encode()
         self._protocol = protocol
@@ -104,7 +111,7 @@ class TcpServer:
             conn.settimeout(30.0)
             if self._tls is not None:
                 conn = wrap_server(self._tls, conn)
-            key = server_handshake(conn, self._token, self._protocol)
+            key, ticket = accept_handshake(conn, self._token, self._protocol, self._tickets)
         except AuthFailed as exc:
             log.warning("connection %d from %s refused: %s", cid, peer, exc)
             conn.close()
@@ -112,6 +119,9 @@ class TcpServer:
         except (FramingError, OSError) as exc:
             log.debug("handshake with %s failed: %s", peer, exc)
             conn.close()
+            return
+        if ticket is not None:
+            self._serve_ticket(cid, conn, key, ticket)
             return
         if self._tls is None:
             conn.setblocking(False)  # reads are polled; sends wait up to send_timeout themselves
@@ -123,6 +133,25 @@ class TcpServer:
         try:
             self._wake_w.send(b"\x00")
         except OSError:
+            conn.close()
+
+    def _serve_ticket(self, cid: int, conn: socket.socket, key: bytes, ticket: bytes) -> None:
+        """A connection opened with a ticket carries one message, served on this thread, then closes.
+
+        Off the serving loop on purpose: two workers sending to each other at
+        the same time must not wait on each other's loops.
+        """
+        try:
+            conn.settimeout(self._message_timeout)
+            channel = FramedChannel(conn, key, role="server", max_frame=self._max_frame,
+                                    max_header=self._max_header, max_message=self._max_message)
+            header, frames, _ = channel.recv()
+            reply, reply_frames = self._ticket_handler(ticket, header, frames)
+            del frames
+            channel.send(reply, reply_frames)
+        except (FramingError, MessageTooLarge, OSError) as exc:
+            log.debug("ticket connection %d closed: %s", cid, exc)
+        finally:
             conn.close()
 
     # ------------------------------------------------------------------- serving

@@ -147,5 +147,13 @@ class LeaseTable:
                     gone.append(lease)
             return gone, close
 
+    def alive(self, key: object, connections) -> bool:
+        """True while the session with this store key lives: a lease still in the table, or an open
+        connection serving as its own session (``connections``: the open connection ids)."""
+        if isinstance(key, Lease):
+            with self._lock:
+                return self._by_id.get(key.session_id) is key
+        return key in connections
+
     def __len__(self) -> int:
         return len(self._by_id)

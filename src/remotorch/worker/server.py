@@ -23,18 +23,21 @@ class WorkerServer:
                  token: str | None = None, *, max_frame_bytes: int = 1 << 38,
                  max_message_bytes: int | None = None, lease_s: float = 30.0,
                  tls: ssl.SSLContext | None = None, message_timeout: float = 60.0,
-                 unix_path: str | None = None, spin_s: float = 0.0) -> None:
+                 unix_path: str | None = None, spin_s: float = 0.0, peer_tls_ca: str | None = None) -> None:
         self.worker = worker
         if max_message_bytes is not None:  # no single frame may exceed the whole message either
             max_frame_bytes = min(max_frame_bytes, max_message_bytes)
         self.service = Service(worker, lease_s=lease_s, max_message_bytes=max_message_bytes)
+        self.service.peer_tls_ca = peer_tls_ca
+        self.service.peer_timeout_s = message_timeout
         self._tcp = TcpServer(self.service.handle, host, port, token, protocol=m.PROTOCOL_VERSION,
                               max_frame=max_frame_bytes, on_disconnect=self.service.disconnected,
                               max_header=min(64 << 20, max_message_bytes or 64 << 20),
                               protocol_error=lambda msg: m.encode(m.ErrorReply(ProtocolError.kind, msg)),
                               tls=tls, message_timeout=message_timeout, unix_path=unix_path,
                               spin_s=spin_s, max_message=max_message_bytes,
-                              limit_error=lambda msg: m.encode(m.ErrorReply(LimitExceededError.kind, msg)))
+                              limit_error=lambda msg: m.encode(m.ErrorReply(LimitExceededError.kind, msg)),
+                              tickets=self.service.tickets.secret, ticket_handler=self.service.deliver)
         self.service.close_connection = self._tcp.close_connection
         self.address = self._tcp.address
         self.scheme = "unix" if unix_path is not None else "tls" if tls is not None else "tcp"

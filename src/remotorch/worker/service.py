@@ -21,9 +21,11 @@ import torch
 
 from ..codec import messages as m
 from ..codec.frames import SCALARS, FrameWriter
+from ..codec.tensors import dtype_name
 from ..errors import (InvalidRequestError, LimitExceededError, ProtocolError, RemoteError,
                       RemoteOutOfMemoryError, WorkerError)
 from .leases import SESSION_ID, LeaseTable
+from .peers import Tickets, send_to_peer
 from .worker import Worker
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,9 @@ class Service:
         self.leases = LeaseTable(lease_s, clock)
         self.close_connection = close_connection
         self._connections: set[int] = set()
+        self.tickets = Tickets(clock=clock)
+        self.peer_timeout_s = 60.0  # a send to another worker: connect and delivery
+        self.peer_tls_ca: str | None = None  # CA to check tls:// workers this one sends to
 
     # ------------------------------------------------------------------ sessions
     def disconnected(self, cid: int) -> None:
@@ -160,11 +165,6 @@ class Service:
         self.worker.put_tensors(session, req.ids, req.metas, frames)
         return _ok()
 
-    def _run(self, session, req: m.RunGraph, frames) -> Reply:
-        ran = self.worker.run(session, req.graph_id, req.engine, req.args, frames)
-        w = FrameWriter()
-        return m.encode(m.RunReply(w.values(ran.outputs), ran.ms, ran.compiled)), w.frames
-
     def _profile(self, session, req: m.ProfileGraph, frames) -> Reply:
         start = time.perf_counter()
         outs, runs, compiled, compile_ms = self.worker.profile(
@@ -175,27 +175,35 @@ class Service:
         return m.encode(m.ProfileReply(out_args, runs.times_ms, runs.clock, compiled, compile_ms,
                                        worker_ms)), w.frames
 
-    # ------------------------------------------------------------------- training
-    def _run_resident(self, session, req: m.RunResident, frames) -> Reply:
-        """A run whose saved outputs stay as handles and whose parameter gradients accumulate here."""
+    # --------------------------------------------------------------------- runs
+    def _run(self, session, req: m.RunGraph | m.RunResident, frames) -> Reply:
+        """Run a graph: each output sent, kept as a handle, or (training) accumulated into a gradient.
+
+        ``RunResident`` keeps the outputs from ``keep_from`` on (activations
+        saved for backward: handles ``handle_base``…) and accumulates
+        ``grads``; both messages keep the outputs listed in ``keep`` (values
+        that stay here: the next handle ids, in ``keep`` order), each sent
+        inline instead if keeping it would go over the session's quota.
+        """
         state, worker = self.worker.training, self.worker
-        grads = {}
-        for pair in req.grads:
-            if len(pair) != 2:
-                raise InvalidRequestError("grads must be [output index, slot id] pairs")
-            state.slot(session, pair[1])  # missing slots fail before the graph runs
-            grads[pair[0]] = pair[1]
-        ran = worker.run(session, req.graph_id, req.engine, req.args, frames)
+        resident = isinstance(req, m.RunResident)
+        grads = self._grad_slots(session, req.grads) if resident else {}
+        ran = worker.run(session, req.graph_id, req.engine, req.args, frames, req.keep_inputs)
         outs = ran.outputs
+        saved = [i for i, o in enumerate(outs)
+                 if resident and 0 <= req.keep_from <= i and isinstance(o, torch.Tensor)]
+        saved_ids = dict(zip(saved, state.keep(session, req.handle_base, [outs[i] for i in saved])))
+        kept = self._keep_values(session, req.keep, outs, req.handle_base + len(saved), set(saved),
+                                 req.keep_min_bytes)
         # a gradient may alias an argument or another output (e.g. the incoming
         # gradient passed straight through): only a fresh tensor may become .grad
-        taken = {t.untyped_storage().data_ptr() for t in ran.inputs if isinstance(t, torch.Tensor)}
-        keep = [i for i, o in enumerate(outs) if 0 <= req.keep_from <= i and isinstance(o, torch.Tensor)]
-        kept = dict(zip(keep, state.keep(session, req.handle_base, [outs[i] for i in keep])))
+        taken = {t.untyped_storage().data_ptr() for t in ran.inputs if isinstance(t, torch.Tensor)} if grads else set()
         w, out_args = FrameWriter(), []
         for i, o in enumerate(outs):
-            if i in kept:
-                out_args.append(m.HandleArg(kept[i]))
+            if i in saved_ids:
+                out_args.append(m.HandleArg(saved_ids[i]))
+            elif i in kept:
+                out_args.append(m.KeptArg(kept[i], dtype_name(o.dtype), list(o.shape), list(o.stride())))
             elif i in grads and isinstance(o, torch.Tensor):
                 ptr = o.untyped_storage().data_ptr()
                 state.accumulate(session, grads[i], o, owned=ptr not in taken and not o._is_view())
@@ -203,7 +211,37 @@ class Service:
                 out_args.append(m.ScalarArg(None))
             else:
                 out_args.append(w.value(o))
-        return m.encode(m.ResidentReply(out_args, ran.ms, ran.compiled)), w.frames
+        reply = m.ResidentReply if resident else m.RunReply
+        return m.encode(reply(out_args, ran.ms, ran.compiled)), w.frames
+
+    def _grad_slots(self, session, pairs: list[list[int]]) -> dict[int, int]:
+        grads = {}
+        for pair in pairs:
+            if len(pair) != 2:
+                raise InvalidRequestError("grads must be [output index, slot id] pairs")
+            self.worker.training.slot(session, pair[1])  # missing slots fail before the graph runs
+            grads[pair[0]] = pair[1]
+        return grads
+
+    def _keep_values(self, session, keep: list[int], outs: list, base: int, saved: set,
+                     min_bytes: int = 0) -> dict[int, int]:
+        """Output index -> handle id of the outputs kept here (``keep`` order, ids from ``base``)."""
+        if len(set(keep)) != len(keep) or not all(type(i) is int and 0 <= i < len(outs) for i in keep):
+            raise InvalidRequestError("keep must list distinct output indices")
+        ids, tensors = [], []
+        room = 0
+        for j, i in enumerate(keep):
+            o = outs[i]
+            if i in saved or not isinstance(o, torch.Tensor):
+                continue
+            nbytes = o.numel() * o.element_size()
+            if nbytes < min_bytes or not self.worker.may_keep(session, room + nbytes):
+                continue  # over the quota: it travels back instead
+            room += nbytes
+            ids.append((i, base + j))
+            tensors.append(o)
+        self.worker.training.put_handles(session, [h for _, h in ids], tensors)
+        return dict(ids)
 
     def _bind_slots(self, session, req: m.BindSlots, frames) -> Reply:
         if len(req.slots) != len(req.values):
@@ -262,6 +300,55 @@ class Service:
                                                    req.error_if_nonfinite)
         return m.encode(m.NormReply(norm)), []
 
+    # ------------------------------------------------ values that stay on the worker
+    def _arg_tensor(self, session, a) -> torch.Tensor:
+        if isinstance(a, m.ViewArg):
+            return self.worker.training.view(session, a.id, a.shape, a.strides, a.offset)
+        return self.worker.training.handle(session, a.id)
+
+    def _fetch(self, session, req: m.Fetch, frames) -> Reply:
+        w = FrameWriter()
+        metas = [w.meta(self._arg_tensor(session, a)) for a in req.args]
+        return m.encode(m.FetchReply(metas)), w.frames
+
+    def _expect_handles(self, session, req: m.ExpectHandles, frames) -> Reply:
+        if len(req.handles) != len(req.metas) or len(set(req.handles)) != len(req.handles):
+            raise InvalidRequestError("one layout per expected handle, and distinct handles")
+        ticket = self.tickets.issue(session, req.handles, req.metas)
+        return m.encode(m.TicketReply(ticket.ticket_id, ticket.secret, self.tickets.ttl_s)), []
+
+    def _send_handles(self, session, req: m.SendHandles, frames) -> Reply:
+        """Open a connection to the receiving worker with its ticket and deliver the tensors (this loop waits)."""
+        tensors = [self._arg_tensor(session, a) for a in req.args]
+        send_to_peer(req.url, req.ticket_id, req.secret, tensors, timeout=self.peer_timeout_s,
+                     tls_ca=self.peer_tls_ca)
+        return _ok()
+
+    def deliver(self, ticket_id: bytes, header: bytes, frames: list) -> Reply:
+        """The one message of a connection opened with a ticket (runs on that connection's thread)."""
+        try:
+            try:
+                req = m.decode(header)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise ProtocolError(f"malformed message: {exc}") from None
+            if not isinstance(req, m.Deliver):
+                raise ProtocolError("a ticket connection carries one Deliver")
+            ticket = self.tickets.take(ticket_id)
+            if ticket is None:
+                raise InvalidRequestError("the ticket was used already or expired")
+            if not self.leases.alive(ticket.session, self._connections):
+                raise InvalidRequestError("the session that issued the ticket has ended")
+            if len(req.metas) != len(ticket.metas) or any(
+                    (a.dtype, a.shape, a.strides) != (b.dtype, b.shape, b.strides)
+                    for a, b in zip(req.metas, ticket.metas)):
+                raise InvalidRequestError("delivered tensors do not match the ticket's layouts")
+            reader = self.worker.reader(frames)
+            tensors = [reader.tensor(meta).to(self.worker.device) for meta in req.metas]
+            self.worker.training.put_handles(ticket.session, ticket.handles, tensors)
+            return _ok()
+        except RemoteError as exc:
+            return error_reply(exc), []
+
     def _pending(self, session, req: m.Pending, frames) -> Reply:
         return _ok()  # applied in _dispatch, as for every request that carries it
 
@@ -269,10 +356,11 @@ class Service:
 _HANDLERS: dict[type, Callable[[Service, object, object, list], Reply]] = {
     m.Health: Service._health, m.Echo: Service._echo, m.PutGraph: Service._put_graph,
     m.PutTensors: Service._put_tensors, m.RunGraph: Service._run, m.ProfileGraph: Service._profile,
-    m.RunResident: Service._run_resident, m.BindSlots: Service._bind_slots,
+    m.RunResident: Service._run, m.BindSlots: Service._bind_slots,
     m.AccumulateGrads: Service._accumulate_grads, m.PullSlots: Service._pull_slots,
     m.OptimCreate: Service._optim_create, m.OptimStep: Service._optim_step,
     m.OptimZeroGrad: Service._optim_zero_grad, m.OptimGetState: Service._optim_get_state,
     m.OptimSetState: Service._optim_set_state, m.ClipGradNorm: Service._clip_grad_norm,
-    m.Pending: Service._pending,
+    m.Pending: Service._pending, m.Fetch: Service._fetch, m.ExpectHandles: Service._expect_handles,
+    m.SendHandles: Service._send_handles,
 }

@@ -141,13 +141,36 @@ class TrainingState:
 
     def keep(self, session: object, base: int, tensors: list[torch.Tensor]) -> list[int]:
         """Store tensors as handles ``base``, ``base + 1``, …; ids must be new to the session."""
-        st = self._state(session)
         ids = list(range(base, base + len(tensors)))
-        if any(h in st.handles for h in ids):
-            raise InvalidRequestError(f"handle ids from {base} are already in use")
+        self.put_handles(session, ids, tensors)
+        return ids
+
+    def put_handles(self, session: object, ids: list[int], tensors: list[torch.Tensor]) -> None:
+        """Store tensors as these handles; every id must be new to the session."""
+        st = self._state(session)
+        if len(set(ids)) != len(ids) or any(h in st.handles for h in ids):
+            raise InvalidRequestError("handle ids are already in use")
         for h, t in zip(ids, tensors):
             st.handles[h] = t
-        return ids
+
+    def view(self, session: object, hid: int, shape: list[int], strides: list[int], offset: int) -> torch.Tensor:
+        """A view of a handle's tensor, ``offset`` elements from its origin; checked to stay in its storage."""
+        base = self.handle(session, hid)
+        if len(shape) != len(strides) or len(shape) > 64:
+            raise InvalidRequestError("view: shape and strides disagree")
+        if not all(type(v) is int and 0 <= v < 1 << 62 for v in (*shape, *strides, offset)):
+            raise InvalidRequestError("view: size, stride or offset out of range")
+        start = base.storage_offset() + offset
+        last = start + sum((n - 1) * st for n, st in zip(shape, strides))
+        room = base.untyped_storage().nbytes() // base.element_size()
+        if all(n > 0 for n in shape) and last >= room:
+            raise InvalidRequestError("view: reaches past the handle's storage")
+        return torch.as_strided(base, shape, strides, start)
+
+    def handle_bytes(self, session: object) -> int:
+        """Bytes of the handles a session holds (activations and values kept on the worker)."""
+        st = self._sessions.get(session)
+        return sum(_nbytes(t) for t in list(st.handles.values())) if st is not None else 0
 
     # ------------------------------------------------------------------- slots
     def slot(self, session: object, sid: int) -> torch.nn.Parameter:

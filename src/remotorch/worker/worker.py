@@ -166,6 +166,16 @@ class Worker:
         return (self._tensors.session_bytes(session) + self._graphs.session_bytes(session)
                 + self.training.session_bytes(session))
 
+    def may_keep(self, session: object, nbytes: int) -> bool:
+        """Whether a session may keep ``nbytes`` more of outputs here (within its quota and the limit)."""
+        limits = self.limits
+        if limits.memory_quota is not None and self.session_bytes(session) + nbytes > limits.memory_quota:
+            return False
+        if limits.memory_limit is not None:
+            live = self._tensors.total_bytes + self._graphs.total_bytes + self.training.total_bytes()
+            return live + nbytes <= limits.memory_limit
+        return True
+
     def _reserve(self, session: object, nbytes: int) -> None:
         quota.reserve((self._tensors, self._graphs), session, nbytes,
                       quota=self.limits.memory_quota, limit=self.limits.memory_limit,
@@ -229,13 +239,18 @@ class Worker:
         return FrameReader(frames, error=InvalidRequestError, max_bytes=self.limits.max_tensor_bytes)
 
     # ----------------------------------------------------------------------- run
-    def run(self, session: object, gid: str, engine: str, args: list, frames) -> Ran:
+    def run(self, session: object, gid: str, engine: str, args: list, frames,
+            keep_inputs: list[list[int]] = ()) -> Ran:
         """Run a graph once on an engine: its outputs, milliseconds, whether this call compiled it.
 
         ``args`` are wire arguments (``TensorArg`` in ``frames``, ``RefArg``,
-        ``ScalarArg``, and for training ``HandleArg``/``SlotArg``).
+        ``ScalarArg``, ``HandleArg``/``ViewArg``/``SlotArg``). ``keep_inputs``
+        pairs ``[argument index, handle id]``: those inputs are kept as
+        handles (before the run, so they are there even if it fails).
         """
         prep = self._prepare(session, gid, engine, args, frames)
+        if keep_inputs:
+            self._keep_inputs(session, keep_inputs, prep.values)
         out, ms = self._guarded(engine, lambda: self._call(prep.fn, prep.values))
         return Ran(_as_list(out), ms, prep.compiled, prep.values)
 
@@ -268,6 +283,12 @@ class Worker:
         fn, compiled = self._compiled(graph, engine, values)
         return _Prepared(fn, values, compiled, (time.perf_counter() - start) * 1e3 if compiled else 0.0)
 
+    def _keep_inputs(self, session: object, pairs: list[list[int]], values: list) -> None:
+        if not all(len(p) == 2 and type(p[0]) is int and 0 <= p[0] < len(values)
+                   and isinstance(values[p[0]], torch.Tensor) for p in pairs):
+            raise InvalidRequestError("keep_inputs must be [tensor argument index, handle id] pairs")
+        self.training.put_handles(session, [p[1] for p in pairs], [values[p[0]] for p in pairs])
+
     def values(self, session: object, args: list, frames) -> list:
         """Wire arguments as the values a graph takes, on this worker's device.
 
@@ -293,6 +314,8 @@ class Worker:
                 values.append(self.training.handle(session, a.id))
             elif isinstance(a, m.SlotArg):
                 values.append(self.training.slot(session, a.id).detach())
+            elif isinstance(a, m.ViewArg):
+                values.append(self.training.view(session, a.id, a.shape, a.strides, a.offset))
             else:
                 raise InvalidRequestError(f"{type(a).__name__} is not a graph argument")
         return values

@@ -1,0 +1,54 @@
+"""Handle ids of one worker-side session: values the worker keeps for the client, named by small integers.
+
+The client chooses the ids (never reused within a connection's session, so
+a stale id can never name a later value) and tells the worker which ones it
+no longer needs by queueing them here when their local stand-in dies; the
+queue rides on the next request (``Pending.handles``), so freeing costs no
+round trip of its own. Saved activations (training) and values that stay on
+the worker (:mod:`remotorch.client.remote`) share this id space.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+
+class HandleTable:
+    """Hands out handle ids and queues the ids of released ones."""
+
+    def __init__(self) -> None:
+        self._next = 1
+        self._lock = threading.Lock()
+        self._released: deque[int] = deque()
+        self._live: set[int] = set()  # handles the worker holds for us now
+
+    def reserve(self, n: int) -> int:
+        """The first of ``n`` fresh, consecutive handle ids."""
+        with self._lock:
+            base = self._next
+            self._next += n
+            return base
+
+    def seen(self, hid: int) -> None:
+        """Never hand out ``hid`` again (the worker used it), and count it as held."""
+        with self._lock:
+            self._next = max(self._next, hid + 1)
+        self._live.add(hid)
+
+    def release(self, hid: int) -> None:
+        """The worker may drop ``hid`` (safe from garbage collection, on any thread: set and deque ops only)."""
+        self._live.discard(hid)
+        self._released.append(hid)
+
+    @property
+    def live(self) -> int:
+        """Handles the worker holds for us now."""
+        return len(self._live)
+
+    def take_released(self) -> list[int]:
+        """Ids released since the last call (to piggy-back on the next request)."""
+        out = []
+        while self._released:
+            out.append(self._released.popleft())
+        return out

@@ -1,0 +1,289 @@
+"""Tensors whose data stays on a worker until Python reads them.
+
+A graph output the client does not need is kept on the worker as a handle
+and stands here as a :class:`RemoteTensor`: an ordinary ``torch.Tensor``
+subclass with the right shape, dtype, device, strides and ``requires_grad``,
+whose local buffer is allocated but never written (on the CPU that is
+virtual memory only). It overrides only ``__torch_function__``, so TorchDynamo
+treats it as a plain tensor (it guards on its metadata and passes it to the
+next compiled graph as is) and the graph's callable receives the object
+itself, reads its handle and sends a reference instead of bytes.
+
+Outside a compiled graph every torch API call on it goes through
+``__torch_function__``: metadata queries (``shape``, ``size()``, ``dtype``…)
+answer from the local metadata; pure views (``x[:, -1]``, ``x.t()``) stay
+remote as views of the same handle; anything that reads data (an eager op,
+``item()``, ``print``, ``numpy()``, ``tolist()``, ``torch.save``, a
+comparison in an ``if``) fetches the tensor (a view only its own elements)
+once into the local buffer, and from then on it is an ordinary tensor that
+keeps this class (so dynamo's type guards stay stable). A read that cannot
+fetch (the worker died, the session expired) raises a ``RemoteError``; it
+never returns the unwritten buffer.
+
+The handle is released on the worker when the last placeholder using it
+dies (the release rides on the next request of its connection).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from typing import Protocol
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ..codec import messages as m
+from ..codec.tensors import dtype_from_name
+
+Tensor = torch.Tensor
+
+
+class Connection(Protocol):
+    """What a placeholder needs of the connection to its worker (``client.connection.Connection``)."""
+
+    handles: object  # a HandleTable: released handles are queued there
+
+    def fetch(self, arg: m.HandleArg | m.ViewArg) -> torch.Tensor: ...
+
+
+class RemoteRef:
+    """One worker handle, owned by the placeholders (and views) that stand for it."""
+
+    __slots__ = ("handle", "conn", "graph", "index", "copies", "__weakref__")
+
+    def __init__(self, handle: int, conn: Connection, graph=None, index: int = -1) -> None:
+        self.handle = handle
+        self.conn = conn
+        self.graph = graph  # weak reference to the graph that produced it (learns which outputs are read)
+        self.index = index
+        self.copies: dict[int, tuple] = {}  # id(connection) -> (connection, handle of a copy moved there)
+
+    def __del__(self) -> None:
+        # runs in garbage collection, on any thread: only queue appends
+        try:
+            self.conn.handles.release(self.handle)
+            for other, handle in self.copies.values():
+                other.handles.release(handle)
+        except Exception:  # interpreter shutdown
+            pass
+
+    def note_read(self) -> None:
+        graph = self.graph() if self.graph is not None else None
+        if graph is not None:
+            graph.read_outputs.add(self.index)
+
+
+def _getter(name: str):
+    d = getattr(Tensor, name, None)
+    return d.__get__ if d is not None else None
+
+
+# Metadata only: never fetch. Dynamo's guard code asks size() and stride()
+# through __torch_function__; compile-time fakeification asks the rest.
+NO_FETCH = {
+    Tensor.size, Tensor.stride, Tensor.dim, Tensor.ndimension, Tensor.numel, Tensor.nelement,
+    Tensor.element_size, Tensor.is_contiguous, Tensor.storage_offset, Tensor.__len__,
+    Tensor.is_floating_point, Tensor.is_complex, Tensor.get_device, Tensor.__hash__,
+    Tensor.requires_grad_, Tensor.is_signed, Tensor._is_view, Tensor.backward,
+} | {_getter(n) for n in (
+    "shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "grad_fn", "layout",
+    "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested", "is_mkldnn",
+    "names", "grad", "_base", "is_xpu", "is_mps", "output_nr", "_version", "itemsize", "nbytes",
+)}
+NO_FETCH.discard(None)
+_AS_PLAIN = {Tensor.__reduce_ex__, Tensor.__repr__, Tensor.__deepcopy__}
+_INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                    "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                    "__irshift__", "__imatmul__", "__set__"}
+
+
+class RemoteTensor(torch.Tensor):
+    """A tensor whose data is on a worker until read (see the module docstring).
+
+    Per object: ``_rt_ref`` (the :class:`RemoteRef`) while remote; a view of
+    another placeholder also has ``_rt_base`` (the placeholder it views) and
+    ``_rt_view`` (sizes, strides, offset from the worker tensor's origin).
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            # dynamo is inlining this while it traces user code: behave as a plain tensor
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        return _eager_nodynamo(func, args, kwargs)
+
+    @property
+    def is_remote(self) -> bool:
+        """True while the data is only on the worker (no torch function involved)."""
+        return "_rt_ref" in self.__dict__
+
+    def materialize_(self, full: bool = False) -> RemoteTensor:
+        """Fetch the data into the local buffer now (once); then this is an ordinary tensor.
+
+        A view fetches only its own elements, unless ``full`` (a write through
+        it is coming) or its base is already here.
+        """
+        ref = self.__dict__.get("_rt_ref")
+        if ref is None:
+            return self
+        base = self.__dict__.get("_rt_base")
+        overlapping = any(st == 0 and sz > 1 for sz, st in zip(self.shape, self.stride()))
+        if base is not None and (full or overlapping or "_rt_ref" not in base.__dict__):
+            RemoteTensor.materialize_(base)  # fills the shared local buffer
+        else:
+            real = ref.conn.fetch(arg_of(self))  # raises a RemoteError: then nothing changes here
+            ref.note_read()
+            # an internal write: outside any dispatch mode, without bumping the version counter
+            # (the tensor may be saved for backward)
+            with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass(), torch.no_grad(), \
+                    torch.autograd._unsafe_preserve_version_counter(self):
+                self.copy_(real)
+        for key in ("_rt_ref", "_rt_base", "_rt_view"):
+            self.__dict__.pop(key, None)
+        return self
+
+    def __coerce_same_metadata_as_tangent__(self, expected_meta, expected_type=None):
+        return self  # to the graphs it is a plain tensor (aot_autograd checks tangents' types)
+
+
+# Dynamo must run this frame eagerly when it starts at top level (a read from
+# eager code inside a compiled frame, after a graph break) and still inline it
+# while it traces user code. skip_code is what torch.compiler.disable(recursive=False)
+# uses; it exists in torch 2.11 to 2.13.
+from torch._dynamo.eval_frame import skip_code as _skip_code  # noqa: E402
+
+_skip_code(RemoteTensor.__torch_function__.__func__.__code__)
+
+
+def _eager(func, args, kwargs):
+    if func in NO_FETCH or torch._guards.TracingContext.try_get() is not None:
+        # metadata, or compile-time machinery (fakeification asks untyped_storage(), is_inference()…)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    pending = [a for a in tree_leaves((args, kwargs)) if type(a) is RemoteTensor and "_rt_ref" in a.__dict__]
+    if len(pending) == 1 and args and args[0] is pending[0]:
+        out = _lazy_view(func, pending[0], args, kwargs)
+        if out is not NotImplemented:
+            return out
+    full = _mutating(func, kwargs)
+    for a in pending:
+        a.materialize_(full=full)
+    if func in _AS_PLAIN:  # torch.save, pickle, repr, deepcopy: exactly as an ordinary tensor
+        with torch._C.DisableTorchFunctionSubclass():
+            plain = args[0].as_subclass(Tensor)
+        return func(plain, *args[1:], **kwargs)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+_eager_nodynamo = torch._dynamo.disable(_eager, recursive=True)
+
+
+def _mutating(func, kwargs) -> bool:
+    name = getattr(func, "__name__", "")
+    return "out" in kwargs or name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
+
+
+def _lazy_view(func, src: RemoteTensor, args, kwargs):
+    """``func(src, …)`` as a remote view when it is a pure view (tried on a meta twin); else NotImplemented."""
+    twin = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="meta")
+    if src.storage_offset():
+        twin = twin.as_strided(src.shape, src.stride(), src.storage_offset())
+    before = twin._version
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            mout = func(twin, *args[1:], **kwargs)
+    except Exception:
+        return NotImplemented  # e.g. mixes meta with real tensors: not a view op
+    if twin._version != before:
+        return NotImplemented  # in place
+    mouts = mout if isinstance(mout, (tuple, list)) else (mout,)
+    if not mouts or not all(isinstance(o, Tensor) and o is not twin and torch._C._is_alias_of(o, twin)
+                            for o in mouts):
+        return NotImplemented
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*args, **kwargs)  # metadata only: a view of the unwritten local buffer
+    ref = src.__dict__["_rt_ref"]
+    root = src.__dict__.get("_rt_base", src)
+    base_off = (src.__dict__.get("_rt_view") or (None, None, 0))[2]
+    origin = src.storage_offset() - base_off  # local storage offset of the worker tensor's origin
+
+    def wrap(v):
+        if not isinstance(v, Tensor):
+            return v
+        with torch._C.DisableTorchFunctionSubclass():
+            r = v.as_subclass(RemoteTensor)
+        r._rt_ref = ref
+        r._rt_base = root
+        r._rt_view = (list(v.shape), list(v.stride()), v.storage_offset() - origin)
+        return r
+
+    return tree_map(wrap, out)
+
+
+# ----------------------------------------------------------------------- API
+def placeholder(conn: Connection, kept: m.KeptArg, device: torch.device | None, graph=None,
+                index: int = -1) -> RemoteTensor:
+    """A local stand-in for the tensor the worker kept as ``kept.id``."""
+    buf = torch.empty_strided(kept.shape, kept.strides, dtype=dtype_from_name(kept.dtype),
+                              device=device if device is not None else "cpu")
+    t = torch.Tensor._make_subclass(RemoteTensor, buf, False)
+    t._rt_ref = RemoteRef(kept.id, conn, weakref.ref(graph) if graph is not None else None, index)
+    return t
+
+
+def remote_ref(t) -> RemoteRef | None:
+    """The handle a still-remote placeholder stands for, else None (also for every other value)."""
+    return t.__dict__.get("_rt_ref") if type(t) is RemoteTensor else None
+
+
+def arg_of(t: RemoteTensor) -> m.HandleArg | m.ViewArg:
+    """How a still-remote placeholder is named on its own worker."""
+    ref = t.__dict__["_rt_ref"]
+    view = t.__dict__.get("_rt_view")
+    if view is None:
+        return m.HandleArg(ref.handle)
+    return m.ViewArg(ref.handle, view[0], view[1], view[2])
+
+
+def plain(t: Tensor) -> Tensor:
+    """A tensor as an ordinary ``torch.Tensor`` (a fetched placeholder keeps its class otherwise)."""
+    if type(t) is Tensor:
+        return t
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.as_subclass(Tensor)
+
+
+def fetch_all(values) -> None:
+    """Fetch every still-remote placeholder among ``values`` (before local code reads their buffers)."""
+    for v in values:
+        if type(v) is RemoteTensor and "_rt_ref" in v.__dict__:
+            v.materialize_()
+
+
+# ------------------------------------------------------------------ one call
+_SKIPPED_DIRS = tuple({os.path.dirname(torch.__file__) + os.sep,
+                       os.path.dirname(os.path.dirname(__file__)) + os.sep})
+_RESUME = ("torch_dynamo_resume_in_", "__resume_at_")
+
+
+def call_scope():
+    """The frame of the user function whose compiled code runs the current graph.
+
+    The graphs of one call of a compiled function (split by graph breaks)
+    run from that function's frame or from dynamo's resume functions called
+    from it; a new call has a new frame. Inputs sent during one call may be
+    referenced by the next graphs of the same call (see ``Connection.pack_args``).
+    """
+    f = sys._getframe(1)
+    while f is not None:
+        code = f.f_code
+        if not code.co_filename.startswith(_SKIPPED_DIRS) and not code.co_name.startswith(_RESUME):
+            return f
+        f = f.f_back
+    return None
