@@ -162,6 +162,9 @@ def test_embedded_worker_over_tcp_when_asked(monkeypatch):
     worker = EmbeddedWorker("cpu")
     try:
         assert worker.transport == "tcp" and worker.url.startswith("tcp://127.0.0.1:")
+        with remotorch.Session(worker.url, token=worker.token) as session:
+            assert session.health()["name"] == "local"
+            assert session.echo([b"over tcp"])[0].tobytes() == b"over tcp"
     finally:
         worker.stop()
     assert not worker.alive()
