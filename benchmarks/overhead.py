@@ -45,6 +45,10 @@ computed from figures of that same run:
    run remotely vs locally, and the time of the four Poly1305 passes that
    authenticating a bulk round trip costs (docs/protocol.md section 4).
 
+The script exits 1 when it misses a target (the overhead ratio, plain and
+spinning, the wire bytes, the bulk ratio); a wrong result on any path stops
+it with an error before anything is timed.
+
 Usage::
 
     python benchmarks/overhead.py [--device cpu|cuda] [--url tcp://h:p --token T]
@@ -590,10 +594,21 @@ def main(argv=None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     results["wall_s"] = time.perf_counter() - start
     print(f"\ntotal wall time {results['wall_s']:.1f} s")
+    missed = missed_targets(results)
+    print("all targets met" if not missed else f"FAIL: missed {', '.join(missed)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
-    return 0
+    return 1 if missed else 0
+
+
+def missed_targets(results: dict) -> list[str]:
+    """The targets this run missed, by name (wrong results already stopped it with an AssertionError)."""
+    checks = {"overhead ratio": results["overhead_pass"], "wire bytes": results["wire_pass"],
+              "bulk ratio": results["bulk_pass"]}
+    if "spin_overhead_ratio" in results:
+        checks["spinning overhead ratio"] = results["spin_overhead_ratio"] <= OVERHEAD_TARGET
+    return [name for name, ok in checks.items() if not ok]
 
 
 if __name__ == "__main__":

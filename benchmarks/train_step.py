@@ -14,8 +14,10 @@ with MSE):
    and ``RemoteOptimizer(torch.optim.AdamW)``) vs the same step purely local
    (eager model, ``torch.optim.AdamW``) on this machine's CPU. Remote and
    local steps run one by one in interleaved rounds on the same batches, so
-   machine noise hits both alike, and the two trainings must agree at the end
-   (max abs parameter difference printed).
+   machine noise hits both alike, and the two trainings must agree at the end:
+   target max abs parameter difference <= 1e-4 (the same CPU kernels on both
+   sides agree to float rounding; a wrong gradient or optimizer step moves
+   parameters by about the learning rate, 1e-3, per step).
 3. **Worker memory**: ``resident_bytes`` from the worker's health reply after
    10 and after ``--steps`` (default 1,000) steps, pending releases flushed
    first, less what the worker held before this model's session started
@@ -54,6 +56,7 @@ from remotorch import models
 from remotorch.optim import RemoteOptimizer
 
 WIRE_SLACK = 2048
+PARAM_TOL = 1e-4
 READY = "remotorch: serving on "
 
 
@@ -169,9 +172,10 @@ def report(name: str, r: dict) -> bool:
     print(f"  worker resident bytes: after {r['mem_early_step']} steps {r['mem_early']:,}, after "
           f"{r['mem_late_step']} steps {r['mem_late']:,} ({r['mem_late'] / r['param_bytes']:.2f}x the "
           f"parameters)  {'FLAT' if flat else 'GREW'}")
+    agree = r["max_param_diff"] <= PARAM_TOL
     print(f"  remote vs local training after {r['mem_late_step']} AdamW steps: max |Δparam| = "
-          f"{r['max_param_diff']:.2e}")
-    return wire_ok and flat
+          f"{r['max_param_diff']:.2e} (target <= {PARAM_TOL:g})  {'PASS' if agree else 'FAIL'}")
+    return wire_ok and flat and agree
 
 
 def main(argv=None) -> int:
@@ -221,6 +225,7 @@ def main(argv=None) -> int:
             proc.wait(timeout=30)
     results["wall_s"] = time.perf_counter() - start
     print(f"\ntotal wall time {results['wall_s']:.1f} s")
+    print("all targets met" if ok else "FAIL: a target was missed (see above)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
