@@ -16,8 +16,8 @@ import argparse
 import os
 import random
 import secrets
+import tempfile
 import socket
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -25,11 +25,11 @@ from collections import Counter
 import torch
 
 import remotorch
+from remotorch.client.embedded import spawn_worker
 from remotorch.devtools import fuzz
 from remotorch.codec import messages as m
 from remotorch.transport import framing, handshake
 
-READY = "remotorch: serving on "
 
 
 def connect(host: str, port: int, token: str) -> framing.FramedChannel:
@@ -46,9 +46,9 @@ def main() -> int:
     args = ap.parse_args()
     token = secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTORCH_")}
-    worker = subprocess.Popen([sys.executable, "-m", "remotorch", "serve", "--port", "0", "--token", token,
-                               "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    url = worker.stdout.readline()[len(READY):].strip()
+    errlog = tempfile.TemporaryFile(mode="w+")
+    worker = spawn_worker(["--port", "0", "--token", token, "--threads", "1"], env=env, stderr=errlog)
+    url = worker.url
     host, port = url.removeprefix("tcp://").rsplit(":", 1)
     tally, bugs = Counter(), []
     try:
@@ -83,9 +83,10 @@ def main() -> int:
         framing_s = time.perf_counter() - start
         correct = check(url, token)
     finally:
-        alive = worker.poll() is None
-        worker.terminate()
-        _, stderr = worker.communicate(timeout=30)
+        alive = worker.alive()
+        worker.stop()
+        errlog.seek(0)
+        stderr = errlog.read()
     print(f"remotorch fuzz: seed {args.seed}")
     print(f"  malformed requests: {args.messages} in {content_s:.1f}s ({args.messages / content_s:.0f}/s)")
     print(f"  framing breakers:   {args.framing} in {framing_s:.1f}s ({args.framing / framing_s:.0f}/s)")

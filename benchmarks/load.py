@@ -30,9 +30,9 @@ import torch
 
 import remotorch
 from remotorch import models
+from remotorch.client.embedded import spawn_worker
 from remotorch.codec import messages as m
 
-READY = "remotorch: serving on "
 INPUTS_PER_MODEL = 8
 
 
@@ -89,17 +89,10 @@ def client(shared: Models, seed: int, calls: int, pipe) -> None:
 
 
 # ---------------------------------------------------------------------- parent
-def start_worker(token: str, threads: int) -> tuple[subprocess.Popen, str]:
+def start_worker(token: str, threads: int):
     env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTORCH_")}
-    proc = subprocess.Popen([sys.executable, "-m", "remotorch", "serve", "--port", "0", "--token", token,
-                             "--name", "load", "--threads", str(threads)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            stdin=subprocess.DEVNULL, text=True, env=env)
-    line = proc.stdout.readline()
-    if not line.startswith(READY):
-        proc.kill()
-        raise SystemExit(f"worker did not start: {line!r}")
-    return proc, line[len(READY):].strip()
+    return spawn_worker(["--port", "0", "--token", token, "--name", "load", "--threads", str(threads)],
+                        env=env, stderr=subprocess.DEVNULL)
 
 
 def run_clients(shared: Models, n: int, calls: int) -> dict:
@@ -152,7 +145,8 @@ def main() -> int:
     worker = None
     url = args.url
     if url is None:
-        worker, url = start_worker(token, args.worker_threads)
+        worker = start_worker(token, args.worker_threads)
+        url = worker.url
     torch.set_num_threads(1)  # before any kernel runs: forked children must not inherit a thread pool
     try:
         shared = Models(url, token)
@@ -160,8 +154,7 @@ def main() -> int:
         load = run_clients(shared, args.clients, args.calls)
     finally:
         if worker is not None:
-            worker.terminate()
-            worker.wait(30)
+            worker.stop()
     report = {"load": load, "baseline": base, "cpus": os.cpu_count()}
     if args.json:
         print(json.dumps(report))

@@ -14,7 +14,7 @@ computed from figures of that same run:
    ``remotorch serve`` worker subprocess. Local and remote calls are timed one
    by one in interleaved rounds, so machine noise hits both alike. Two
    intermediate rows split the remote call: ``session.echo`` of 64 bytes (the
-   remotorch framing, HMAC, msgpack and the worker's connection thread) and
+   remotorch framing, HMAC, msgpack and the worker's serving loop) and
    ``session.run_graph`` called directly (everything except dynamo's guards
    and the aot_autograd wrapper). The worker's own graph time comes from
    ``session.stats()["remote_ms"]``. A raw TCP echo of the MLP input's size
@@ -45,6 +45,10 @@ computed from figures of that same run:
    run remotely vs locally, and the time of the four Poly1305 passes that
    authenticating a bulk round trip costs (docs/protocol.md section 4).
 
+The script exits 1 when it misses a target (the overhead ratio, plain and
+spinning, the wire bytes, the bulk ratio); a wrong result on any path stops
+it with an error before anything is timed.
+
 Usage::
 
     python benchmarks/overhead.py [--device cpu|cuda] [--url tcp://h:p --token T]
@@ -74,6 +78,7 @@ import zmq
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 import remotorch
+from remotorch.client.embedded import spawn_worker
 from remotorch import models
 
 OVERHEAD_TARGET = 1.5
@@ -179,16 +184,24 @@ def python_child(source: str, *args: str) -> Child:
     return Child([sys.executable, "-c", source, *args], ready=lambda line: line.strip() or None)
 
 
+class WorkerChild:
+    """A real ``remotorch serve`` (started by the library's ``spawn_worker``), as a :class:`Child`."""
+
+    def __init__(self, args: list[str], env: dict) -> None:
+        self._worker = spawn_worker(args, env=env, stdin=subprocess.PIPE)
+        self.value = self._worker.url
+
+    def stop(self) -> None:
+        self._worker.stop()
+
+
 def worker_child(device: str, token: str, threads: int, unix_path: str | None = None,
-                 spin_us: float = 0) -> Child:
+                 spin_us: float = 0) -> WorkerChild:
     """A real ``remotorch serve`` on a free loopback port (or a Unix socket), ``threads`` intra-op threads."""
-    prefix = "remotorch: serving on "
     listen = ["--unix", unix_path] if unix_path else ["--host", "127.0.0.1", "--port", "0"]
-    cmd = [sys.executable, "-m", "remotorch", "serve", *listen, "--spin-us", str(spin_us),
-           "--token", token, "--device", device, "--name", "bench", "--exit-on-stdin-close"]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    return Child(cmd, ready=lambda line: line[len(prefix):].strip() if line.startswith(prefix) else None,
-                 env=env)
+    return WorkerChild([*listen, "--spin-us", str(spin_us), "--token", token, "--device", device,
+                        "--name", "bench", "--exit-on-stdin-close"], env)
 
 
 # ------------------------------------------------------------------------------ clients
@@ -590,10 +603,21 @@ def main(argv=None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     results["wall_s"] = time.perf_counter() - start
     print(f"\ntotal wall time {results['wall_s']:.1f} s")
+    missed = missed_targets(results)
+    print("all targets met" if not missed else f"FAIL: missed {', '.join(missed)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
-    return 0
+    return 1 if missed else 0
+
+
+def missed_targets(results: dict) -> list[str]:
+    """The targets this run missed, by name (wrong results already stopped it with an AssertionError)."""
+    checks = {"overhead ratio": results["overhead_pass"], "wire bytes": results["wire_pass"],
+              "bulk ratio": results["bulk_pass"]}
+    if "spin_overhead_ratio" in results:
+        checks["spinning overhead ratio"] = results["spin_overhead_ratio"] <= OVERHEAD_TARGET
+    return [name for name, ok in checks.items() if not ok]
 
 
 if __name__ == "__main__":

@@ -20,7 +20,11 @@ rounds of (worker mean / in-process mean), and the ratio of the best rounds
 (lowest worker mean / lowest in-process mean), the rounds least disturbed by
 other load on a shared machine. Target: within 10% (0.90–1.10) on CPU,
 judged on the best-rounds ratio; the median shows how much the machine's
-noise moves single rounds.
+noise moves single rounds. Every output the worker sends back must also
+match the graph run locally in eager (max abs difference <= 1e-4 of the
+output's largest magnitude), and every engine asked for must be offered by
+the worker: the script exits 1 on a timing outside the target, a wrong
+output, or an engine it could not measure.
 
 Usage::
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import statistics
 import sys
 import time
@@ -41,11 +46,13 @@ import torch
 from remotorch.capture.graph import RemoteGraph, output_devices
 from remotorch.codec.graph import decode_graph, encode_graph
 from remotorch.codec.tensors import tensor_from_wire
-from remotorch.client.embedded import EmbeddedWorker
 from remotorch.worker import engines
-from remotorch.client.pool import WorkerLink
+from remotorch.client.connection import Connection
+from remotorch.client.embedded import spawn_worker
+from remotorch.profile.profiler import profile_graph
 
 CHAIN = 4
+OUTPUT_TOL = 1e-4  # of the output's largest magnitude
 
 
 def chain(x, w):
@@ -72,6 +79,14 @@ def capture(n: int) -> tuple[RemoteGraph, list]:
     graph = RemoteGraph(encode_graph(gm), runner=lambda: None, engine="eager", fallback="raise",
                         resident=[], output_devices=output_devices(gm), local=gm.forward)
     return graph, [x, w]
+
+
+def output_error(outputs: list, expected: torch.Tensor) -> float:
+    """Max abs difference of the worker's single output from ``expected``, relative to its magnitude."""
+    if len(outputs) != 1 or outputs[0].shape != expected.shape:
+        return float("inf")
+    diff = (outputs[0].to(expected.device) - expected).abs().max().item()
+    return diff / max(expected.abs().max().item(), 1e-30)
 
 
 def in_process(graph: RemoteGraph, args: list, engine: str, device: torch.device):
@@ -109,28 +124,35 @@ def main() -> int:
 
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
-    worker = EmbeddedWorker(args.device)  # a real `remotorch serve` subprocess on loopback
-    offered = None
+    token = secrets.token_hex(16)
+    worker = spawn_worker(["--host", "127.0.0.1", "--port", "0", "--token", token, "--device", args.device,
+                           "--name", "accuracy", "--threads", str(args.threads)])  # a real `remotorch serve`
+    url = worker.url
     print(f"device {device}, {args.threads} thread(s) on each side, {os.cpu_count()} CPU(s); "
           f"{args.rounds} rounds x {args.repeats} timed runs after {args.warmups} warm-ups; "
           f"graph: {CHAIN} chained NxN matmuls")
     print(f"{'engine':9s} {'N':>5s} {'GFLOP/run':>9s} {'worker ms':>10s} {'in-proc ms':>10s} "
-          f"{'median':>6s} {'best':>6s} {'net ms/req':>10s}  within 10%")
-    failed = 0
-    link = WorkerLink(worker.url, worker.token)
+          f"{'median':>6s} {'best':>6s} {'net ms/req':>10s} {'out err':>8s}  within 10%, output right")
+    failed = missing = wrong = 0
+    link = Connection(lambda: (url, token))
     try:
         offered = link.info()["engines"]
         for engine in [e for e in args.engines.split(",") if e]:
             if engine not in offered:
-                print(f"{engine:9s} not offered by the worker (has {', '.join(offered)})")
+                print(f"{engine:9s} not offered by the worker (has {', '.join(offered)}): NOT MEASURED")
+                missing += 1
                 continue
             for n in [int(s) for s in args.sizes.split(",")]:
                 graph, call_args = capture(n)
+                with torch.no_grad():
+                    expected = chain(*call_args)
                 fn, values = in_process(graph, call_args, engine, device)
-                link.profile(graph, call_args, engine, warmups=1, repeats=1)  # compile there, untimed
+                first = profile_graph(link, graph, call_args, engine, warmups=1, repeats=1)  # compile there, untimed
                 ratios, w_means, l_means, nets = [], [], [], []
+                err = output_error(first.outputs, expected)
                 for _ in range(args.rounds):
-                    res = link.profile(graph, call_args, engine, warmups=args.warmups, repeats=args.repeats)
+                    res = profile_graph(link, graph, call_args, engine, warmups=args.warmups, repeats=args.repeats)
+                    err = max(err, output_error(res.outputs, expected))
                     w = statistics.fmean(res.times_ms)
                     local = time_block(fn, values, device, args.warmups, args.repeats)
                     ratios.append(w / local)
@@ -140,17 +162,23 @@ def main() -> int:
                 ratio = statistics.median(ratios)
                 best = min(w_means) / min(l_means)
                 ok = 0.9 <= best <= 1.1
+                right = err <= OUTPUT_TOL
                 failed += not ok
+                wrong += not right
                 gflop = 2 * n ** 3 * CHAIN / 1e9
                 print(f"{engine:9s} {n:5d} {gflop:9.3f} {min(w_means):10.3f} {min(l_means):10.3f} "
-                      f"{ratio:6.3f} {best:6.3f} {statistics.median(nets):10.3f}  {'yes' if ok else 'NO'}")
+                      f"{ratio:6.3f} {best:6.3f} {statistics.median(nets):10.3f} {err:8.1e}  "
+                      f"{'yes' if ok else 'NO'}, {'yes' if right else 'NO'}")
     finally:
         link.close()
         worker.stop()
     print("worker ms, in-proc ms: best round's mean per run; median: median over rounds of worker/in-process; "
-          "best: best worker round / best in-process round")
-    print(f"{'all within' if not failed else f'{failed} outside'} the 10% target (judged on best)")
-    return 0
+          "best: best worker round / best in-process round; out err: the worker's outputs against local "
+          f"eager, max abs difference over the output's largest magnitude (target <= {OUTPUT_TOL:g})")
+    measured = "every engine asked for" if not missing else f"{missing} engine(s) NOT MEASURED"
+    print(f"{'all within' if not failed else f'{failed} outside'} the 10% target (judged on best); "
+          f"{'all outputs right' if not wrong else f'{wrong} with WRONG outputs'}; {measured}")
+    return 0 if not (failed or wrong or missing) else 1
 
 
 if __name__ == "__main__":

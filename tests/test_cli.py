@@ -39,3 +39,10 @@ def test_serve_on_all_interfaces_without_a_token_is_refused():
     assert proc.returncode != 0
     assert "token" in proc.stderr.lower()
     assert "serving on" not in proc.stdout
+
+
+def test_serve_refuses_a_hold_engine_without_a_valid_time():
+    proc = remotorch_cli("serve", "--port", "0", "--engines", "eager,hold:-1", timeout=60)
+    assert proc.returncode == 2
+    assert "hold:-1" in proc.stderr and "seconds" in proc.stderr
+    assert "serving on" not in proc.stdout

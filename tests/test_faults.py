@@ -26,7 +26,9 @@ from remotorch.transport import TcpTransport
 
 from conftest import TOKEN, clean_env, spawn_server, wait_until
 
-LEASE = 1.0
+LEASE = 2.0  # heartbeats every LEASE / 3: a loaded host has over a second of slack
+HOLD = 60.0  # the hold engine keeps a call in flight this long, on any machine
+HOLDING = "hold engine: holding a graph run"  # what the worker logs as each hold begins
 
 CLIENT = r"""
 import sys, time, torch, remotorch
@@ -57,11 +59,13 @@ def observer(leased):
     s.close()
 
 
-def slow(x: torch.Tensor) -> torch.Tensor:
-    """About 200 GFLOP for a 1600 x 1600 input: seconds on a CPU worker, whatever the values."""
-    for _ in range(24):
-        x = torch.tanh(x @ x)
-    return x
+def work(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ x) * 2
+
+
+def holding(srv, count: int = 1) -> bool:
+    """Wait until the worker has begun holding ``count`` graph runs (its log says so)."""
+    return wait_until(lambda: srv.stderr_text().count(HOLDING) >= count, timeout=60)
 
 
 def in_thread(fn, *args):
@@ -91,15 +95,13 @@ def start_client(url: str) -> subprocess.Popen:
 # ----------------------------------------------------------------- worker faults
 @pytest.mark.parametrize("fallback", ["raise", "local"])
 def test_worker_killed_mid_call(start_server, fallback):
-    srv = start_server(name="victim")
-    session = remotorch.Session(srv.url, token=TOKEN, timeout=120, retry_after=0)
+    srv = start_server(name="victim", extra_args=("--engines", f"eager,hold:{HOLD:g}"))
+    session = remotorch.Session(srv.url, token=TOKEN, timeout=HOLD * 2, retry_after=0)
     try:
-        compiled = remotorch.compile(slow, session=session, fallback=fallback)
-        x = torch.randn(1600, 1600) / 1600
-        expected = slow(x)
-        assert torch.allclose(compiled(x), expected, atol=1e-6)  # warm: uploaded and compiled
+        compiled = remotorch.compile(work, session=session, engine=f"hold:{HOLD:g}", fallback=fallback)
+        x = torch.randn(64, 64) / 8
         box = in_thread(compiled, x)
-        time.sleep(0.5)  # the call is running on the worker now
+        assert holding(srv)  # the call is running on the worker now
         assert "at" not in box
         srv.proc.kill()
         killed = time.monotonic()
@@ -108,7 +110,7 @@ def test_worker_killed_mid_call(start_server, fallback):
         if fallback == "raise":
             assert isinstance(box.get("error"), errors.WorkerUnavailableError), box
         else:
-            assert torch.allclose(box["value"], expected, atol=1e-6)
+            assert torch.allclose(box["value"], work(x), atol=1e-6), box.get("error")
             assert session.stats()["fallbacks"] == 1
     finally:
         session.close()
@@ -118,38 +120,45 @@ def test_frozen_worker_gives_unavailable_within_the_timeout(start_server):
     srv = start_server(name="frozen")
     session = remotorch.Session(srv.url, token=TOKEN, timeout=1.5, retry_after=0)
     try:
-        compiled = remotorch.compile(lambda a: a + 1, session=session, fallback="raise")
-        x = torch.randn(4)
-        assert torch.equal(compiled(x), x + 1)
-        os.kill(srv.proc.pid, signal.SIGSTOP)
-        try:
-            start = time.monotonic()
-            with pytest.raises(errors.WorkerUnavailableError, match="did not answer"):
-                compiled(x)
-            assert time.monotonic() - start < 5
-        finally:
-            os.kill(srv.proc.pid, signal.SIGCONT)
-        assert torch.equal(compiled(x), x + 1)  # reconnects (the lease kept its uploads)
+        torch.manual_seed(2)
+        model = torch.nn.Linear(4, 3).eval()
+        compiled = remotorch.compile(model, session=session, fallback="raise")
+        x = torch.randn(2, 4)
+        with torch.no_grad():
+            assert torch.equal(compiled(x), model(x))
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                with pytest.raises(errors.WorkerUnavailableError, match="did not answer"):
+                    compiled(x)
+                assert time.monotonic() - start < 5
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+            assert torch.equal(compiled(x), model(x))  # reconnects
+        stats = session.stats()
+        assert (stats["graphs_uploaded"], stats["tensors_uploaded"]) == (1, 2)  # the lease kept its uploads
     finally:
         session.close()
 
 
 def test_sigterm_finishes_the_call_in_flight_and_exits_cleanly(start_server):
-    srv = start_server(name="terminated")
+    hold = 3.0
+    srv = start_server(name="terminated", extra_args=("--engines", f"eager,hold:{hold:g}"))
     session = remotorch.Session(srv.url, token=TOKEN, timeout=120, retry_after=0)
     idle = remotorch.Session(srv.url, token=TOKEN, timeout=30, retry_after=0)
     try:
         assert idle.health()["name"] == "terminated"
-        compiled = remotorch.compile(slow, session=session, fallback="raise")
-        x = torch.randn(1600, 1600) / 1600
-        expected = slow(x)
-        assert torch.allclose(compiled(x), expected, atol=1e-6)
+        compiled = remotorch.compile(work, session=session, engine=f"hold:{hold:g}", fallback="raise")
+        x = torch.randn(64, 64) / 8
         box = in_thread(compiled, x)
-        time.sleep(0.5)
+        assert holding(srv)  # the call is in flight: run, and held for a while yet
+        assert "at" not in box
+        terminated = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=60) == 0
         box["thread"].join(60)
-        assert torch.allclose(box["value"], expected, atol=1e-6), box.get("error")  # finished, answered
+        assert torch.allclose(box["value"], work(x), atol=1e-6), box.get("error")  # finished, answered
+        assert box["at"] > terminated  # the answer came after the SIGTERM
         assert "Traceback" not in srv.stderr_text()
         with pytest.raises(errors.WorkerUnavailableError):
             idle.health()
@@ -199,7 +208,7 @@ def test_reconnect_within_the_lease_keeps_the_uploads(leased, observer):
             assert torch.equal(compiled(x), model(x))  # a new connection, the same session
             assert session.stats()["tensors_uploaded"] == uploaded
             assert session.stats()["graphs_uploaded"] == 1
-            time.sleep(LEASE * 3)  # idle for three leases: heartbeats keep it
+            time.sleep(LEASE * 2)  # idle for two leases: heartbeats keep it
             assert torch.equal(compiled(x), model(x))
             assert session.stats()["tensors_uploaded"] == uploaded
     finally:

@@ -14,6 +14,14 @@ def compile_remote(fn, session, **kwargs):
     return remotorch.compile(fn, session=session, fallback="raise", **kwargs)
 
 
+def assert_ran_on_the_worker(session) -> None:
+    """The model's graphs ran remotely: weights went up, graphs ran there, nothing fell back."""
+    stats = session.stats()
+    assert stats["fallbacks"] == 0, stats
+    assert stats["remote_calls"] >= 1 and stats["graphs_uploaded"] >= 1, stats
+    assert stats["tensors_uploaded"] >= 1, stats  # the weights
+
+
 def _ids(vocab: int = 100, batch: int = 2, seq: int = 12) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(7))
 
@@ -30,7 +38,7 @@ def test_hf_bert_tiny(session):
         expected = model(input_ids=ids).last_hidden_state
         out = compiled(input_ids=ids).last_hidden_state
     assert torch.equal(out, expected)
-    assert session.stats()["fallbacks"] == 0
+    assert_ran_on_the_worker(session)
 
 
 def test_hf_bert_tiny_with_padding_mask(session):
@@ -48,8 +56,7 @@ def test_hf_bert_tiny_with_padding_mask(session):
         out = compiled(input_ids=ids, attention_mask=mask)
     torch.testing.assert_close(out.last_hidden_state, expected.last_hidden_state, rtol=0, atol=0)
     torch.testing.assert_close(out.pooler_output, expected.pooler_output, rtol=0, atol=0)
-    assert session.stats()["fallbacks"] == 0
-    assert session.stats()["remote_calls"] >= 1
+    assert_ran_on_the_worker(session)
 
 
 def test_hf_gpt2_tiny(session):
@@ -63,4 +70,4 @@ def test_hf_gpt2_tiny(session):
         expected = model(input_ids=ids).last_hidden_state
         out = compiled(input_ids=ids).last_hidden_state
     assert torch.equal(out, expected)
-    assert session.stats()["fallbacks"] == 0
+    assert_ran_on_the_worker(session)

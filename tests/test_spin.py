@@ -2,7 +2,8 @@
 
 Spinning changes when each end sleeps, never what it answers: results stay
 exact, other sessions stay served, a call longer than the window still
-returns, and an idle worker stops spinning once its window has passed.
+returns. Each end does spin (its CPU time shows the window spent polling),
+and an idle worker stops spinning once its window has passed.
 """
 
 from __future__ import annotations
@@ -88,15 +89,56 @@ def test_a_spinning_worker_serves_other_sessions(spinning_server):
     assert errors == []
 
 
-def test_an_idle_worker_stops_spinning(spinning_server):
-    with remotorch.Session(spinning_server.url, token=TOKEN) as session:
-        for _ in range(50):
-            session.echo([b"x" * 64])
-    time.sleep(0.5)  # far past the 3 ms window
-    before = _cpu_seconds(spinning_server.proc.pid)
+WINDOW = 0.25  # seconds: a spin window long enough to show in CPU time
+HOLD = 0.6  # a call the worker holds for longer than the window
+
+
+@pytest.fixture(scope="module")
+def wide_spinner():
+    server = spawn_server(name="wide", extra_args=("--spin-us", f"{WINDOW * 1e6:g}",
+                                                    "--engines", f"eager,hold:{HOLD:g}"))
+    yield server
+    server.stop()
+
+
+def test_a_worker_spins_for_its_window_after_each_request_and_then_sleeps(wide_spinner):
+    pid = wide_spinner.proc.pid
+    with remotorch.Session(wide_spinner.url, token=TOKEN) as session:
+        session.echo([b"x"])
+        time.sleep(2 * WINDOW)
+        before = _cpu_seconds(pid)
+        for _ in range(4):
+            session.echo([b"x" * 64])  # a few microseconds of work, then a window of busy-polling
+            time.sleep(2 * WINDOW)
+        spun = _cpu_seconds(pid) - before
+    # a worker that sleeps at once needs milliseconds; one that spins, up to 4 windows (less on a busy host)
+    assert spun >= WINDOW, f"4 requests cost the worker only {spun:.2f} s of CPU: it did not spin"
+    time.sleep(2 * WINDOW)  # past the window that followed the session's last message
+    before = _cpu_seconds(pid)
     time.sleep(2.0)
-    used = _cpu_seconds(spinning_server.proc.pid) - before
-    assert used < 0.5, f"an idle worker used {used:.2f} s of CPU in 2 s"
+    used = _cpu_seconds(pid) - before
+    assert used < 0.3, f"an idle worker used {used:.2f} s of CPU in 2 s"
+
+
+def test_a_client_spins_for_its_window_while_its_call_runs_then_waits_asleep(wide_spinner):
+    """A call held longer than the client's window still returns; the window was spent busy-polling."""
+    x = torch.randn(16)
+    cpu = {}
+    for spin_us in (WINDOW * 1e6, 0):
+        with remotorch.Session(wide_spinner.url, token=TOKEN, spin_us=spin_us) as session:
+            compiled = remotorch.compile(lambda a: a * 3, session=session, engine=f"hold:{HOLD:g}",
+                                         fallback="raise")
+            assert torch.equal(compiled(x), x * 3)  # compiled, uploaded
+            time.sleep(2 * WINDOW)  # the worker's own window after that reply is over
+            start, started_at = time.thread_time(), time.monotonic()
+            assert torch.equal(compiled(x), x * 3)
+            assert time.monotonic() - started_at >= HOLD
+            cpu[spin_us] = time.thread_time() - start
+        torch._dynamo.reset()
+    # polling through the window costs up to WINDOW of this thread's CPU time (less on a busy host);
+    # without a window the thread sleeps through the call, a millisecond or so
+    assert cpu[WINDOW * 1e6] >= WINDOW / 5, cpu
+    assert cpu[0] < WINDOW / 10, cpu
 
 
 def test_bad_spin_settings_are_refused(monkeypatch):

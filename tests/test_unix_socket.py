@@ -165,6 +165,7 @@ def test_embedded_worker_over_tcp_when_asked(monkeypatch):
         worker = session.embedded_worker
         assert worker.transport == "tcp" and worker.url.startswith("tcp://127.0.0.1:")
         assert session.connection.url == worker.url
+        assert session.echo([b"over tcp"])[0].tobytes() == b"over tcp"
     assert not worker.alive()
 
 

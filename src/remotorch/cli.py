@@ -190,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--price-per-hour", type=float, default=0.0,
                        help="$ per hour of this worker, reported for cost estimates (default 0)")
     serve.add_argument("--engines", default=None,
-                       help="comma-separated engines to offer, in order (default: all that load here)")
+                       help="comma-separated engines to offer, in order (default: all that load here); "
+                            "debugging aids only by name: failing (refuses every graph), hold:SECONDS "
+                            "(eager, then holds each answer that long)")
     serve.add_argument("--exit-on-stdin-close", action="store_true", help=argparse.SUPPRESS)
     serve.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve tls:// (encrypted)")
     serve.add_argument("--tls-key", default=None, help="PEM private key (if not in --tls-cert)")

@@ -132,7 +132,7 @@ class Worker:
         self.limits = limits
         self.engines = engines.available(self.device)
         if engine_names is not None:  # offer only these (in this order); each must load here
-            unknown = [e for e in engine_names if e not in self.engines and e not in engines.HIDDEN]
+            unknown = [e for e in engine_names if e not in self.engines and not engines.is_hidden(e)]
             if unknown:
                 raise ValueError(f"engines not available on {self.device}: {', '.join(unknown)} "
                                  f"(available: {', '.join(self.engines)})")

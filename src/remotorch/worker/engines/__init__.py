@@ -3,12 +3,16 @@
 An engine is a module with ``compile(graph: DecodedGraph, device, example_args)
 -> callable`` and ``available(device) -> bool``. Engines import their heavy
 dependencies inside ``compile``, so a worker lists only what really loads.
+
+A name ``base:arg`` is engine ``base`` set up with ``arg`` by its module's
+``configure(arg)`` (only the debugging engines take one, e.g. ``hold:2.5``).
 """
 
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -18,14 +22,44 @@ ENGINE_MODULES = {
     "onnxrt": "remotorch.worker.engines.onnxrt",
     "tensorrt": "remotorch.worker.engines.tensorrt",
     "failing": "remotorch.worker.engines.failing",
+    "hold": "remotorch.worker.engines.hold",
 }
 # Engines a worker offers only when asked by name (``remotorch serve --engines``).
-HIDDEN = frozenset({"failing"})
+HIDDEN = frozenset({"failing", "hold"})
 
 
-def load(name: str) -> ModuleType:
-    """The engine module for a name; KeyError for unknown engines."""
-    return importlib.import_module(ENGINE_MODULES[name])
+class Engine(Protocol):
+    """What ``load`` returns: an engine module, or an object made by a module's ``configure``."""
+
+    def available(self, device: torch.device) -> bool: ...
+
+    def compile(self, graph, device: torch.device, example_args) -> Callable: ...
+
+
+def load(name: str) -> Engine:
+    """The engine for a name: its module, or what ``configure`` makes for ``base:arg``.
+
+    KeyError for unknown engines (and for an argument to one that takes
+    none); ValueError for an argument the engine refuses.
+    """
+    base, sep, arg = name.partition(":")
+    module = importlib.import_module(ENGINE_MODULES[base])
+    if not sep:
+        return module
+    if not hasattr(module, "configure"):
+        raise KeyError(name)
+    return module.configure(arg)
+
+
+def is_hidden(name: str) -> bool:
+    """Whether ``name`` is a hidden engine (offered only by name); ValueError for a bad argument."""
+    if name.partition(":")[0] not in HIDDEN:
+        return False
+    try:
+        load(name)
+    except KeyError:
+        return False
+    return True
 
 
 def available(device: torch.device) -> list[str]:
