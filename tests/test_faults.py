@@ -144,7 +144,9 @@ def test_frozen_worker_gives_unavailable_within_the_timeout(start_server):
 def test_sigterm_finishes_the_call_in_flight_and_exits_cleanly(start_server):
     hold = 3.0
     srv = start_server(name="terminated", extra_args=("--engines", f"eager,hold:{hold:g}"))
-    session = remotorch.Session(srv.url, token=TOKEN, timeout=120, retry_after=0)
+    # outputs inline: the answer itself must carry the result (a value kept on a worker
+    # that then exits could not be read afterwards, by design)
+    session = remotorch.Session(srv.url, token=TOKEN, timeout=120, retry_after=0, keep_outputs=False)
     idle = remotorch.Session(srv.url, token=TOKEN, timeout=30, retry_after=0)
     try:
         assert idle.health()["name"] == "terminated"

@@ -18,11 +18,12 @@ from .graph import FALLBACKS, RemoteGraph, output_devices
 
 
 def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
-                      engine: str = "eager", fallback: str = "local", options: dict | None = None):
+                      engine: str = "eager", fallback: str = "local", worker: int | str | None = None,
+                      options: dict | None = None):
     """Dynamo backend: run every captured graph on a remotorch worker.
 
     ``options`` (from ``torch.compile(..., options=...)``) may set
-    ``session``, ``engine`` and ``fallback``.
+    ``session``, ``engine``, ``fallback`` and ``worker``.
     """
     from torch._dynamo.backends.common import aot_autograd
 
@@ -30,11 +31,12 @@ def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
     session = opts.pop("session", session)
     engine = opts.pop("engine", engine)
     fallback = opts.pop("fallback", fallback)
+    worker = opts.pop("worker", worker)
     if opts:
         raise ValueError(f"unknown remotorch backend options: {sorted(opts)}")
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
-    make = functools.partial(_compile_aten, session=session, engine=engine, fallback=fallback)
+    make = functools.partial(_compile_aten, session=session, engine=engine, fallback=fallback, worker=worker)
     return aot_autograd(fw_compiler=functools.partial(make, static=True, kind="forward"),
                         inference_compiler=functools.partial(make, static=True),
                         bw_compiler=functools.partial(make, static=False, kind="backward"))(gm, example_inputs)
@@ -98,7 +100,7 @@ def _output_plan(kind: str, n_outputs: int) -> tuple[frozenset[int], frozenset[i
 
 
 def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: str,
-                  fallback: str, static: bool, kind: str = "inference") -> RemoteGraph:
+                  fallback: str, static: bool, kind: str = "inference", worker=None) -> RemoteGraph:
     """aot_autograd compiler hook: wrap one aten graph for remote execution."""
     from ..codec.graph import encode_graph
     from ..client import default_session
@@ -120,18 +122,23 @@ def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: 
                        resident=_static_indices(example_inputs) if static else [],
                        output_devices=devices, local=gm.forward, unsupported=unsupported,
                        kind=kind, saved_from=_saved_from() if kind == "forward" else None,
-                       must_real=must_real, fetch_first=fetch_first)
+                       must_real=must_real, fetch_first=fetch_first, worker=worker)
 
 
-def compile(fn, *, session=None, engine: str = "eager", fallback: str = "local", dynamic: bool | None = None):
+def compile(fn, *, session=None, engine: str = "eager", fallback: str = "local", dynamic: bool | None = None,
+            worker: int | str | None = None):
     """``torch.compile`` with remotorch as the backend, with explicit control.
 
     ``engine`` is the worker-side engine (``"eager"``, ``"inductor"``);
     ``fallback`` is ``"local"`` (run locally with a warning on remote failure)
     or ``"raise"`` (raise the typed ``RemoteError``); ``dynamic=True`` makes
-    one uploaded graph serve every batch size.
+    one uploaded graph serve every batch size. ``worker`` picks which of the
+    session's workers runs it (an index or a worker name; default the first):
+    values one worker keeps move to another worker directly when its graphs
+    take them.
     """
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
-    backend = functools.partial(remotorch_backend, session=session, engine=engine, fallback=fallback)
+    backend = functools.partial(remotorch_backend, session=session, engine=engine, fallback=fallback,
+                                worker=worker)
     return torch.compile(fn, backend=backend, dynamic=dynamic)

@@ -49,7 +49,7 @@ class RemoteGraph:
                  fallback: str, resident: list[int], output_devices: list, local: Callable,
                  unsupported: RemoteError | None = None, kind: str = "inference",
                  saved_from: int | None = None, must_real: frozenset[int] = frozenset(),
-                 fetch_first: frozenset[int] = frozenset()) -> None:
+                 fetch_first: frozenset[int] = frozenset(), worker: int | str | None = None) -> None:
         # Instance attribute, not class: dynamo wraps backward graphs with
         # functools.wraps, which copies __dict__ and so keeps the boxed convention.
         self._boxed_call = True
@@ -69,6 +69,7 @@ class RemoteGraph:
         self.saved_from = saved_from
         self.must_real = must_real  # outputs aot_autograd's runtime reads here: always sent back
         self.fetch_first = fetch_first  # inputs it reads here: fetched before the run if remote
+        self.worker = worker  # which of the runner's workers runs it (None: the first)
         self.read_outputs: set[int] = set()  # outputs Python read before: sent back, not kept
         self.reused_inputs: set[int] = set()  # inputs a later graph of the same call took too: kept
 

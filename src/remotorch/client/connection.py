@@ -63,6 +63,7 @@ class Graph(Protocol):
     output_devices: list  # the device of each output (None: not a tensor)
     kind: str  # "inference", "forward" (of a training pair) or "backward"
     saved_from: int | None  # forward: outputs from here on are saved for backward
+    worker: int | str | None  # which worker of the session runs it (None: the first)
     read_outputs: set[int]  # outputs Python read (learned): not kept on the worker
     reused_inputs: set[int]  # inputs a later graph of the same call took too (learned): kept there
 
@@ -133,7 +134,8 @@ class Connection:
         self.lock = threading.RLock()  # one request (or one sequence that must stay together) at a time
         self.graphs: set[str] = set()  # graph ids the worker holds for this session
         self.tensors: set[str] = set()  # content ids the worker holds for this session
-        self.stats = dict(remote_calls=0, graphs_uploaded=0, tensors_uploaded=0, remote_ms=0.0)
+        self.stats = dict(remote_calls=0, graphs_uploaded=0, tensors_uploaded=0, remote_ms=0.0,
+                          values_fetched=0, values_moved=0)
         self.lease_s: float | None = None
         self.name = ""  # the worker's name (from its health reply; made unique within a session)
         self._info: dict | None = None
@@ -421,11 +423,13 @@ class Connection:
             self.handles.seen(hid)  # from now on the worker may hold it: released with the placeholder
             ref.copies[(id(self), _view_key(t))] = (self, hid)
             ref.conn.request(m.SendHandles([arg], self.url or "", ticket.ticket_id, ticket.secret))
+            self.stats["values_moved"] += 1
 
     def fetch(self, arg: m.HandleArg | m.ViewArg) -> torch.Tensor:
         """The tensor of a handle (or a view of one) this worker keeps; it stays there."""
         with self.lock:
             reply, frames = self.request(m.Fetch([arg]))
+            self.stats["values_fetched"] += 1
         if not isinstance(reply, m.FetchReply) or len(reply.values) != 1:
             raise errors.ProtocolError("worker answered a fetch with the wrong reply")
         return FrameReader(frames).tensor(reply.values[0])

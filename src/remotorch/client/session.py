@@ -31,6 +31,9 @@ from .pool import Pool, split_urls
 class StatefulRunner(Protocol):
     """What a session's training client offers it (see :class:`remotorch.training.client.TrainingClient`)."""
 
+    keep_outputs: bool  # a forward's outputs Python has not read stay on the worker
+    keep_min_bytes: int
+
     @property
     def bound(self) -> bool:
         """Some parameter lives in a worker slot: every graph of the session must use the slots."""
@@ -114,7 +117,7 @@ class Session:
         self._closed = False
         self._fallbacks = 0
         self.ids = ContentIds()  # content ids of resident tensors, shared by all workers
-        self.training: StatefulRunner | None = None  # made when a graph first needs worker-side state
+        self._trainers: dict[int, StatefulRunner] = {}  # by id(connection), made when first needed
         options = dict(connect_timeout=connect_timeout, timeout=timeout, tls_ca=tls_ca,
                        spin_s=self._spin_s, retry_after=retry_after)
         first = [transport]
@@ -188,9 +191,10 @@ class Session:
 
     # ------------------------------------------------------------------ queries
     def stats(self) -> dict:
-        """Counters since the session started, over every worker: calls, fallbacks, uploads, bytes."""
+        """Counters since the session started, over every worker: calls, fallbacks, uploads, bytes,
+        values fetched from workers when Python read them, values moved worker to worker."""
         out = dict(remote_calls=0, fallbacks=self._fallbacks, graphs_uploaded=0, tensors_uploaded=0,
-                   remote_ms=0.0, bytes_sent=0, bytes_received=0)
+                   remote_ms=0.0, values_fetched=0, values_moved=0, bytes_sent=0, bytes_received=0)
         for conn in self.pool.opened:
             for key, value in conn.stats.items():
                 out[key] += value
@@ -226,15 +230,35 @@ class Session:
         return self.pool.price_per_hour(worker)
 
     # ------------------------------------------------------------------ training
-    def stateful(self) -> StatefulRunner:
-        """The training client of the first worker (activation handles, parameter slots), made on first use."""
-        if self.training is None:
+    @property
+    def training(self) -> StatefulRunner | None:
+        """The first worker's training client, if a graph or an optimizer needed one."""
+        return self._trainers.get(id(self.connection)) if self.pool.opened else None
+
+    def stateful(self, conn: Connection | None = None) -> StatefulRunner:
+        """The training client of a worker (default the first): activation handles, parameter
+        slots, optimizers there; made on first use."""
+        conn = conn if conn is not None else self.connection
+        trainer = self._trainers.get(id(conn))
+        if trainer is None:
             with self._lock:
-                if self.training is None:
+                trainer = self._trainers.get(id(conn))
+                if trainer is None:
                     if Session.training_factory is None:
                         raise RuntimeError("remotorch.training is not imported")
-                    self.training = Session.training_factory(self.connection)
-        return self.training
+                    trainer = self._trainers[id(conn)] = Session.training_factory(conn)
+                    trainer.keep_outputs, trainer.keep_min_bytes = self.keep_outputs, self.keep_min_bytes
+        return trainer
+
+    def connection_for(self, worker: int | str | None) -> Connection:
+        """The connection of a worker given by index or name (None: the first)."""
+        if worker is None or worker == 0:
+            return self.connection
+        if isinstance(worker, int):
+            if not 0 <= worker < len(self.pool.urls):
+                raise IndexError(f"this session has {len(self.pool.urls)} worker(s), not a worker {worker}")
+            return self.pool.get(worker)
+        return self.pool.by_name(worker)
 
     def pull(self, module: torch.nn.Module, grads: bool = False) -> int:
         """Copy the worker's current parameters (and, asked, gradients) into ``module``.
@@ -247,24 +271,25 @@ class Session:
         optimizer manages (they are in ``p.grad``). Returns how many tensors
         were copied.
         """
-        return self.training.pull(module, grads) if self.training is not None else 0
+        return sum(t.pull(module, grads) for t in list(self._trainers.values()))
 
     def flush_releases(self) -> None:
-        """Tell the worker now about freed activations, parameters and optimizers.
+        """Tell the workers now about freed values, activations, parameters and optimizers.
 
-        Normally that news rides on the next training request, at no cost of
-        its own; call this before measuring the worker's memory.
+        Normally that news rides on the next request, at no cost of its own;
+        call this before measuring a worker's memory.
         """
-        if self.training is not None:
-            self.training.flush()
+        for conn in self.pool.opened:
+            conn.flush()
 
     # -------------------------------------------------- the runner captured graphs call
     def run_graph(self, graph: Graph, args: Sequence) -> list:
-        """Run a captured graph on the first worker; uploads what the worker lacks first."""
-        training = self.training
+        """Run a captured graph on its worker (the first unless it names one); uploads what that
+        worker lacks first; outputs Python has not read stay there."""
+        conn = self.connection_for(graph.worker)
+        training = self._trainers.get(id(conn))
         if graph.kind != "inference" or (training is not None and training.bound):
-            return self.stateful().run(graph, args)
-        conn = self.connection
+            return self.stateful(conn).run(graph, args)
         keep = graph.keep_candidates() if self.keep_outputs else ()
         if keep:
             reply, frames = conn.run(graph, args, keep=keep, handle_base=conn.handles.reserve(len(keep)),
@@ -282,7 +307,7 @@ class Session:
         parameters). A graph the worker cannot take at all still runs here,
         after pulling the parameters an optimizer stepped on the worker.
         """
-        training = self.training
+        training = self._trainers.get(id(self.connection_for(graph.worker)))
         if training is None:
             return True
         if not reached_worker:

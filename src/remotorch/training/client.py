@@ -26,6 +26,7 @@ import torch
 
 from .. import errors
 from ..client.connection import Connection, Graph
+from ..client.remote import RemoteTensor, placeholder
 from ..client.session import Session
 from ..codec import messages as m
 from ..codec.frames import FrameReader, FrameWriter
@@ -52,6 +53,8 @@ class TrainingClient:
         self._dropped_optims: list[int] = []
         self._zero_grad: list[int] = []
         self._superseded: list[str] = []
+        self.keep_outputs = True  # a forward's outputs Python has not read stay on the worker
+        self.keep_min_bytes = 1024
         connection.pending_hooks.append(self._take_pending)
 
     @property
@@ -163,6 +166,7 @@ class TrainingClient:
             calls.append(call)
             return req, frames
 
+        conn.import_values(args)
         with conn.lock:
             reply, frames = conn.call(build, graph)
             conn.stats["remote_calls"] += 1
@@ -184,6 +188,8 @@ class TrainingClient:
                 run_args.append(m.HandleArg(hid))
                 if backward_of is None:
                     backward_of = call_of(a)
+            elif type(a) is RemoteTensor:
+                run_args.append(self.connection.value_arg(a, w))
             elif i in refs:
                 run_args.append(m.RefArg(refs[i]))
             elif i in resident:
@@ -194,15 +200,18 @@ class TrainingClient:
                 run_args.append(m.SlotArg(slot.sid))
             else:
                 run_args.append(w.value(a))
-        keep_from, base = -1, 0
+        keep_from, n_saved = -1, 0
         if graph.saved_from is not None:
             keep_from = graph.saved_from
-            base = self.handles.reserve(sum(d is not None for d in graph.output_devices[keep_from:]))
+            n_saved = sum(d is not None for d in graph.output_devices[keep_from:])
+        keep = graph.keep_candidates() if graph.kind == "forward" and self.keep_outputs else []
+        base = self.handles.reserve(n_saved + len(keep)) if n_saved or keep else 0
         grads = []
         if backward_of is not None and backward_of.n_inputs == len(graph.output_devices):
             grads = [[i, sid] for i, sid in backward_of.slots.items()
                      if accumulated_by_this_backward(backward_of.params[i])]
-        req = m.RunResident(graph.graph_id, graph.engine, run_args, keep_from, base, grads)
+        req = m.RunResident(graph.graph_id, graph.engine, run_args, keep_from, base, grads, keep=keep,
+                            keep_min_bytes=self.keep_min_bytes)
         return req, w.frames, call
 
     def _content_ids(self, tensors: list) -> list[str]:
@@ -233,9 +242,12 @@ class TrainingClient:
         if not isinstance(reply, m.ResidentReply) or len(reply.outputs) != len(graph.output_devices):
             raise errors.ProtocolError("worker answered a training run with the wrong reply")
         reader, outs = FrameReader(frames), []
-        for arg, device in zip(reply.outputs, graph.output_devices):
+        for i, (arg, device) in enumerate(zip(reply.outputs, graph.output_devices)):
             if isinstance(arg, m.HandleArg):
                 outs.append(activation(self.handles, arg.id, call))
+            elif isinstance(arg, m.KeptArg):  # a value that stays on the worker until read
+                self.handles.seen(arg.id)
+                outs.append(placeholder(self.connection, arg, device, graph, i))
             else:
                 outs.append(reader.value(arg, device))
         return outs
