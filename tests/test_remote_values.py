@@ -331,3 +331,53 @@ def test_ten_thousand_unread_values_leave_the_worker_memory_flat(session):
     after = session.health()["resident_bytes"]
     assert after - base <= 4096, (base, after)  # not 40 MB
     assert session.connection.handles.live <= 1
+
+
+# ------------------------------------------------------------------ asynchronous calls
+@pytest.fixture(scope="module")
+def holding():
+    """A worker whose hold engine keeps every run 0.3 s: slow by its clock, not by its FLOPs."""
+    from conftest import spawn_server
+
+    srv = spawn_server(name="holding", extra_args=("--engines", "eager,hold:0.3"))
+    yield srv
+    srv.stop()
+
+
+def test_launched_calls_return_before_the_worker_answers(holding):
+    import time
+
+    with remotorch.Session(holding.url, token=TOKEN, async_calls=True) as s:
+        f = compile_raise(lambda a: a * 2 + 1, s, engine="hold:0.3")
+        x = torch.randn(64, 64)
+        with torch.no_grad():
+            f(f(x))  # the first calls wait: they learn the outputs' layout
+            start = time.monotonic()
+            y = x
+            for _ in range(5):
+                y = f(y)
+            launched = time.monotonic() - start
+            assert y.is_remote
+            expected = x
+            for _ in range(5):
+                expected = expected * 2 + 1
+            assert torch.equal(y, expected)  # the read waits for the five runs
+            waited = time.monotonic() - start
+    assert waited >= 5 * 0.3  # the worker held each run
+    assert launched < 0.5 * waited, (launched, waited)  # the calls did not wait for it
+
+
+def test_a_launched_call_that_fails_raises_at_the_read_with_its_graph(start_server):
+    srv = start_server(name="doomed-async", extra_args=("--engines", "eager,hold:0.5"))
+    with remotorch.Session(srv.url, token=TOKEN, async_calls=True, retry_after=0.0) as s:
+        f = compile_raise(lambda a: a - 3, s, engine="hold:0.5")
+        x = torch.randn(64, 64)
+        with torch.no_grad():
+            f(f(x))
+            y = f(x)  # launched: the worker is still holding it when it dies
+            assert y.is_remote and y._rt_ref.launched is not None
+            srv.stop()
+            with pytest.raises(errors.WorkerUnavailableError, match="graph"):
+                y.sum().item()
+            with pytest.raises(errors.WorkerUnavailableError):
+                f(y)  # its value cannot be used either

@@ -72,6 +72,7 @@ class RemoteGraph:
         self.worker = worker  # which of the runner's workers runs it (None: the first)
         self.read_outputs: set[int] = set()  # outputs Python read before: sent back, not kept
         self.reused_inputs: set[int] = set()  # inputs a later graph of the same call took too: kept
+        self.layouts: dict = {}  # outputs' layouts by input signature (the runner learns them)
 
     def keep_candidates(self) -> list[int]:
         """Tensor outputs that may stay on the worker: not needed here, and not read by Python before."""

@@ -27,6 +27,9 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from collections import deque
+from dataclasses import dataclass
+
 import msgspec
 import torch
 
@@ -65,7 +68,25 @@ class Graph(Protocol):
     saved_from: int | None  # forward: outputs from here on are saved for backward
     worker: int | str | None  # which worker of the session runs it (None: the first)
     read_outputs: set[int]  # outputs Python read (learned): not kept on the worker
+    layouts: dict  # output layouts by input signature, from calls that kept every output (learned)
     reused_inputs: set[int]  # inputs a later graph of the same call took too (learned): kept there
+
+
+@dataclass(eq=False)
+class Launched:
+    """A request sent without waiting for its reply (an asynchronous call); settled in order later."""
+
+    what: str  # names it in errors: "graph 3f2a9c01d2e4"
+    on_reply: Callable[[object, list], None]
+    done: bool = False
+    error: errors.RemoteError | None = None
+
+    def raise_error(self) -> None:
+        """Raise what the call failed with, naming the call."""
+        if self.error is not None:
+            exc = self.error
+            raise type(exc)(f"{self.what} (launched earlier) failed: {exc.message}",
+                            remote_traceback=exc.remote_traceback) from exc
 
 
 class ContentIds:
@@ -157,6 +178,12 @@ class Connection:
         self._sent: dict[int, tuple] = {}
         self._sending: dict[int, tuple] = {}  # this request's additions, committed when it succeeds
         self._keep_inputs: list[list[int]] = []
+        # large outputs sent back because Python read them before: id -> (ref, graph ref, index).
+        # One that comes straight back as an input was not needed here after all: its graph
+        # keeps it on the worker again from the next call on
+        self._returned: dict[int, tuple] = {}
+        self._inflight: deque[Launched] = deque()  # launched calls whose replies are not read yet
+        self.max_inflight = 32
 
     # ------------------------------------------------------------------ lifetime
     @property
@@ -230,7 +257,7 @@ class Connection:
         if not self.lock.acquire(blocking=False):
             return  # a call is running: that keeps the lease alive
         try:
-            if self._closed or not self.connected:
+            if self._closed or not self.connected or self._inflight:
                 return
             self._last_request = time.monotonic()
             self._transport.request(m.encode(m.Heartbeat()))
@@ -346,10 +373,13 @@ class Connection:
                 if tid not in self.tensors:
                     uploads[tid] = a
                 run_args.append(m.RefArg(tid))
-            elif reuse and isinstance(a, torch.Tensor) and a.nbytes >= self.reuse_min_bytes:
-                run_args.append(self._sent_once(graph, i, a, w))
             else:
-                run_args.append(w.value(a))
+                if self._returned and isinstance(a, torch.Tensor):
+                    self._came_back(a)
+                if reuse and isinstance(a, torch.Tensor) and a.nbytes >= self.reuse_min_bytes:
+                    run_args.append(self._sent_once(graph, i, a, w))
+                else:
+                    run_args.append(w.value(a))
         if uploads:
             self.upload(uploads)
         return run_args, w.frames
@@ -396,6 +426,8 @@ class Connection:
         ref = remote_ref(t)
         if ref is None:
             return w.value(plain(t))  # fetched already: an ordinary tensor
+        if ref.launched is not None and (ref.launched.done or ref.conn is not self):
+            ref.check()  # the call that makes it failed: say so, not "missing handle"
         if ref.conn is self:
             return arg_of(t)
         copy = ref.copies.get((id(self), _view_key(t)))
@@ -444,9 +476,22 @@ class Connection:
             if isinstance(arg, m.KeptArg):
                 self.handles.seen(arg.id)
                 out.append(placeholder(self, arg, device, graph, i))
-            else:
-                out.append(reader.value(arg, device))
+                continue
+            value = reader.value(arg, device)
+            if i in graph.read_outputs and isinstance(value, torch.Tensor) and value.nbytes >= self.reuse_min_bytes:
+                key = id(value)
+                self._returned[key] = (weakref.ref(value, lambda _, k=key, d=self._returned: d.pop(k, None)),
+                                       weakref.ref(graph), i)
+            out.append(value)
         return out
+
+    def _came_back(self, t: torch.Tensor) -> None:
+        """An output sent back here is an input again: its graph keeps that output from now on."""
+        entry = self._returned.pop(id(t), None)
+        if entry is not None and entry[0]() is t:
+            graph = entry[1]()
+            if graph is not None:
+                graph.read_outputs.discard(entry[2])
 
     def refs(self, tensors: Sequence[torch.Tensor]) -> list[str]:
         """Content ids of resident tensors, uploading those the worker lacks."""
@@ -496,8 +541,21 @@ class Connection:
     def request(self, body, frames: Sequence = ()):
         """Send one request; the decoded reply and its frames, or its error raised as a ``RemoteError``.
 
-        A request that can carry deferred housekeeping (a ``pending`` field) carries it.
+        A request that can carry deferred housekeeping (a ``pending`` field)
+        carries it. Replies of launched calls are read first (they come in order).
         """
+        with self.lock:
+            if self._inflight:
+                self.settle()
+            body, transport = self._prepare(body)
+            try:
+                header, out = transport.request(m.encode(body), frames)
+            except errors.WorkerUnavailableError:
+                self._down_until = time.monotonic() + self._retry_after
+                raise
+            return parse_reply(header, self.url), out
+
+    def _prepare(self, body):
         if "pending" in body.__struct_fields__ and body.pending is None:
             pending = self.take_pending()
             if pending is not None:
@@ -507,12 +565,54 @@ class Connection:
                                                 f"not retrying for {self._retry_after}s")
         transport = self.transport
         self._last_request = time.monotonic()
+        return body, transport
+
+    # ------------------------------------------------------------ asynchronous calls
+    def launch(self, body, frames: Sequence, launched: Launched) -> Launched:
+        """Send a request without waiting for its reply; ``launched.on_reply(reply, frames)`` runs
+        when it is read.
+
+        Replies are read in order, by the next request on this connection, by
+        :meth:`settle`, or when more than ``max_inflight`` calls are
+        outstanding. A failure is kept on ``launched`` and raised where its
+        results are used.
+        """
+        with self.lock:
+            body, transport = self._prepare(body)
+            try:
+                transport.post(m.encode(body), frames)
+            except errors.WorkerUnavailableError:
+                self._down_until = time.monotonic() + self._retry_after
+                raise
+            self._inflight.append(launched)
+            while len(self._inflight) > self.max_inflight:
+                self._settle_one()
+            return launched
+
+    @property
+    def can_launch(self) -> bool:
+        """Whether this connection's transport can send without waiting for replies."""
+        return type(self.transport).post is not Transport.post
+
+    def settle(self, until: Launched | None = None) -> None:
+        """Read the replies of launched calls, oldest first (all of them, or up to ``until``)."""
+        with self.lock:
+            while self._inflight and (until is None or not until.done):
+                self._settle_one()
+
+    def _settle_one(self) -> None:
+        launched = self._inflight.popleft()
         try:
-            header, out = transport.request(m.encode(body), frames)
-        except errors.WorkerUnavailableError:
-            self._down_until = time.monotonic() + self._retry_after
-            raise
-        return parse_reply(header, self.url), out
+            header, out = self._transport.collect()
+            launched.on_reply(parse_reply(header, self.url), out)
+        except errors.RemoteError as exc:
+            launched.error = exc
+            if isinstance(exc, errors.TransportError):  # the connection is gone: so are the other replies
+                while self._inflight:
+                    other = self._inflight.popleft()
+                    other.error, other.done = exc, True
+        finally:
+            launched.done = True
 
     def __repr__(self) -> str:
         return f"Connection({self.name or self.url or 'embedded'})"

@@ -52,11 +52,12 @@ class Connection(Protocol):
 class RemoteRef:
     """One worker handle, owned by the placeholders (and views) that stand for it."""
 
-    __slots__ = ("handle", "conn", "graph", "index", "copies", "__weakref__")
+    __slots__ = ("handle", "conn", "graph", "index", "copies", "launched", "__weakref__")
 
-    def __init__(self, handle: int, conn: Connection, graph=None, index: int = -1) -> None:
+    def __init__(self, handle: int, conn: Connection, graph=None, index: int = -1, launched=None) -> None:
         self.handle = handle
         self.conn = conn
+        self.launched = launched  # the asynchronous call that makes it, until its reply was read
         self.graph = graph  # weak reference to the graph that produced it (learns which outputs are read)
         self.index = index
         self.copies: dict[int, tuple] = {}  # id(connection) -> (connection, handle of a copy moved there)
@@ -69,6 +70,14 @@ class RemoteRef:
                 other.handles.release(handle)
         except Exception:  # interpreter shutdown
             pass
+
+    def check(self) -> None:
+        """Raise the error of the asynchronous call that was to make this value, if it failed."""
+        launched = self.launched
+        if launched is not None:
+            if not launched.done:
+                self.conn.settle(launched)
+            launched.raise_error()
 
     def note_read(self) -> None:
         graph = self.graph() if self.graph is not None else None
@@ -136,6 +145,7 @@ class RemoteTensor(torch.Tensor):
         if base is not None and (full or overlapping or "_rt_ref" not in base.__dict__):
             RemoteTensor.materialize_(base)  # fills the shared local buffer
         else:
+            ref.check()
             real = ref.conn.fetch(arg_of(self))  # raises a RemoteError: then nothing changes here
             ref.note_read()
             # an internal write: outside any dispatch mode, without bumping the version counter
@@ -228,13 +238,23 @@ def _lazy_view(func, src: RemoteTensor, args, kwargs):
 
 # ----------------------------------------------------------------------- API
 def placeholder(conn: Connection, kept: m.KeptArg, device: torch.device | None, graph=None,
-                index: int = -1) -> RemoteTensor:
-    """A local stand-in for the tensor the worker kept as ``kept.id``."""
+                index: int = -1, launched=None) -> RemoteTensor:
+    """A local stand-in for the tensor the worker kept (or, launched, will keep) as ``kept.id``."""
     buf = torch.empty_strided(kept.shape, kept.strides, dtype=dtype_from_name(kept.dtype),
                               device=device if device is not None else "cpu")
     t = torch.Tensor._make_subclass(RemoteTensor, buf, False)
-    t._rt_ref = RemoteRef(kept.id, conn, weakref.ref(graph) if graph is not None else None, index)
+    t._rt_ref = RemoteRef(kept.id, conn, weakref.ref(graph) if graph is not None else None, index, launched)
     return t
+
+
+def fill(t: RemoteTensor, value: Tensor) -> None:
+    """Make a placeholder an ordinary tensor holding ``value`` (its call sent it back after all)."""
+    with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass(), torch.no_grad(), \
+            torch.autograd._unsafe_preserve_version_counter(t):
+        t.copy_(value)
+    ref = t.__dict__.pop("_rt_ref", None)
+    if ref is not None:
+        ref.launched = None
 
 
 def remote_ref(t) -> RemoteRef | None:

@@ -26,6 +26,7 @@ class Transport(abc.ABC):
     bytes_sent: int = 0
     bytes_received: int = 0
     on_connect: OnConnect | None = None
+    outstanding: int = 0  # posted messages whose replies are not collected yet
 
     @abc.abstractmethod
     def request(self, header: bytes, frames: Sequence[Buffer] = ()) -> tuple[bytes, list]:
@@ -35,6 +36,19 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def connected(self) -> bool:
         """True while a connection is open (no I/O)."""
+
+    def post(self, header: bytes, frames: Sequence[Buffer] = ()) -> None:
+        """Send one message without waiting; its reply is :meth:`collect`'s, in the order posted.
+
+        Optional: a transport that cannot pipeline raises ``NotImplementedError``
+        (the caller then waits for each reply). While replies are outstanding,
+        :meth:`request` is refused.
+        """
+        raise NotImplementedError
+
+    def collect(self) -> tuple[bytes, list]:
+        """The reply to the oldest posted message not collected yet (blocks until it arrives)."""
+        raise NotImplementedError
 
     def set_timeout(self, seconds: float | None) -> None:
         """Change how long a reply may take (None: forever)."""

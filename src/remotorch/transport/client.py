@@ -115,6 +115,7 @@ class TcpTransport(Transport):
         self.timeout = timeout
         self._channel: FramedChannel | None = None
         self._lock = threading.Lock()
+        self.outstanding = 0  # posted messages whose replies are not collected yet
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -175,12 +176,33 @@ class TcpTransport(Transport):
 
     def request(self, header: bytes, frames: Sequence[Buffer] = ()) -> tuple[bytes, list]:
         with self._lock:
+            if self.outstanding:
+                raise ProtocolError("replies to posted messages must be collected first")
             if self._channel is None:
                 self._channel = self._connect()
             with _mapped_errors(self.url, self.timeout, self._drop):
                 return self._exchange(self._channel, header, frames)
 
+    def post(self, header: bytes, frames: Sequence[Buffer] = ()) -> None:
+        with self._lock:
+            if self._channel is None:
+                self._channel = self._connect()
+            with _mapped_errors(self.url, self.timeout, self._drop):
+                self.bytes_sent += self._channel.send(header, frames)
+            self.outstanding += 1
+
+    def collect(self) -> tuple[bytes, list]:
+        with self._lock:
+            if not self.outstanding or self._channel is None:
+                raise ProtocolError("no reply is outstanding on this connection")
+            with _mapped_errors(self.url, self.timeout, self._drop):
+                reply, out, nbytes = self._channel.recv()
+            self.outstanding -= 1
+            self.bytes_received += nbytes
+            return reply, out
+
     def _drop(self) -> None:
+        self.outstanding = 0  # their replies went with the connection
         if self._channel is not None:
             try:
                 self._channel.sock.close()

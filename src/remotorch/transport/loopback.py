@@ -14,11 +14,12 @@ ever aliases the other's memory. Integration tests use the real server.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..errors import WorkerUnavailableError
+from ..errors import ProtocolError, WorkerUnavailableError
 from .base import Buffer, OnConnect, Transport
 from .framing import message_size
 
@@ -47,6 +48,7 @@ class LoopbackTransport(Transport):
         self._open = False
         self.down = False
         self.requests = 0  # messages handed to the handler (attach included)
+        self._posted: deque = deque()  # replies of posted messages, oldest first
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -74,7 +76,19 @@ class LoopbackTransport(Transport):
                 self.on_connect(lambda h: self._exchange(h)[0])
         return self._exchange(header, frames)
 
+    def post(self, header: bytes, frames: Sequence[Buffer] = ()) -> None:
+        self._posted.append(self.request(header, frames))  # handled at once; the reply waits here
+        self.outstanding += 1
+
+    def collect(self) -> tuple[bytes, list]:
+        if not self._posted:
+            raise ProtocolError("no reply is outstanding on this connection")
+        self.outstanding -= 1
+        return self._posted.popleft()
+
     def close(self) -> None:
+        self._posted.clear()
+        self.outstanding = 0
         if self._open:
             self._open = False
             if self._on_disconnect is not None:
