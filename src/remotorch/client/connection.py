@@ -36,11 +36,12 @@ import torch
 from .. import errors
 from ..codec import messages as m
 from ..codec.frames import SCALARS, FrameReader, FrameWriter
-from ..codec.tensors import content_id, tensor_to_wire
 from ..transport import TcpTransport, Transport
 from ..transport.tls import client_context
 from .handles import HandleTable
-from .remote import RemoteTensor, arg_of, call_scope, placeholder, plain, remote_ref
+from .remote import RemoteTensor, arg_of, placeholder, plain, remote_ref
+from .ids import ContentIds
+from .reuse import InputReuse
 
 if TYPE_CHECKING:
     from ..codec.graph import GraphPayload
@@ -89,46 +90,6 @@ class Launched:
                             remote_traceback=exc.remote_traceback) from exc
 
 
-class ContentIds:
-    """Content ids of resident tensors (weights, buffers), remembered until a tensor changes.
-
-    Warm calls then cost one dict lookup per weight: the id is kept by the
-    tensor's identity and version counter, so an in-place change (which bumps
-    ``_version``) makes the next lookup hash it again. Shared by the
-    connections of a session, so each tensor is hashed once for all workers.
-    """
-
-    def __init__(self) -> None:
-        self._by_tensor: dict[int, tuple[weakref.ref, int, str]] = {}
-
-    def get(self, t: torch.Tensor) -> tuple[str, str | None]:
-        """(the tensor's content id, the id it had before when its content changed since, else None)."""
-        entry = self._by_tensor.get(id(t))
-        if entry is not None and entry[0]() is t:
-            if entry[1] == t._version:
-                return entry[2], None
-            previous = entry[2]
-        else:
-            previous = None
-        meta, buf = tensor_to_wire(t, 0)
-        tid = content_id(meta, buf)
-        key = id(t)
-
-        def forget(ref, key=key, cache=self._by_tensor):
-            if cache.get(key, (None,))[0] is ref:  # a newer tensor may have taken the same id()
-                del cache[key]
-
-        self._by_tensor[key] = (weakref.ref(t, forget), t._version, tid)
-        return tid, (previous if previous != tid else None)
-
-    def current(self, t: torch.Tensor) -> str | None:
-        """The id already known for exactly this local value, without hashing; None if unknown."""
-        entry = self._by_tensor.get(id(t))
-        if entry is not None and entry[0]() is t and entry[1] == t._version:
-            return entry[2]
-        return None
-
-
 class Connection:
     """One worker: transport, worker-side session, upload cache, request policy and counters.
 
@@ -169,19 +130,7 @@ class Connection:
         # contributors of deferred housekeeping (training: slots, optimizers…): each returns
         # a dict of Pending fields to add, or None
         self.pending_hooks: list[Callable[[], dict | None]] = []
-        # large inputs sent during the current call of a compiled function:
-        # id(tensor) -> (ref, version, graph ref, argument index, handle id or None). An input
-        # that a later graph of the same call takes too is kept on the worker from the next
-        # call on (the graph learns it), and that later graph references it.
-        self.reuse_min_bytes = 64 << 10
-        self._scope = None  # the frame of that call (held, so its id cannot name a later call)
-        self._sent: dict[int, tuple] = {}
-        self._sending: dict[int, tuple] = {}  # this request's additions, committed when it succeeds
-        self._keep_inputs: list[list[int]] = []
-        # large outputs sent back because Python read them before: id -> (ref, graph ref, index).
-        # One that comes straight back as an input was not needed here after all: its graph
-        # keeps it on the worker again from the next call on
-        self._returned: dict[int, tuple] = {}
+        self.reuse = InputReuse(self.handles)  # large inputs sent once per call; outputs sent back
         self._inflight: deque[Launched] = deque()  # launched calls whose replies are not read yet
         self.max_inflight = 32
 
@@ -322,24 +271,20 @@ class Connection:
         """
         engine = engine or graph.engine
         self.import_values(args)
-        reuse = request is m.RunGraph and self._reuse_scope(args)
+        reuse = request is m.RunGraph and self.reuse.begin(args)
 
         def build():
             run_args, frames = self.pack_args(graph, args, reuse)
-            extra = dict(fields, keep_inputs=self._keep_inputs) if self._keep_inputs else fields
+            keep_inputs = self.reuse.keep_inputs
+            extra = dict(fields, keep_inputs=keep_inputs) if keep_inputs else fields
             return request(graph.graph_id, engine, run_args, **extra), frames
 
         try:
             reply, frames = self.call(build, graph)
         except BaseException:
-            for entry in self._sending.values():  # may or may not be on the worker: let it drop them
-                if entry[4] is not None:
-                    self.handles.release(entry[4])
-            self._sending.clear()
+            self.reuse.failed()
             raise
-        if self._sending:
-            self._sent.update(self._sending)
-            self._sending.clear()
+        self.reuse.committed()
         self.stats["remote_calls"] += 1
         self.stats["remote_ms"] += getattr(reply, "run_ms", 0.0)
         return reply, frames
@@ -358,13 +303,12 @@ class Connection:
         kept on a worker by handle, others inline.
 
         With ``reuse``, a large input already sent during the same call of the
-        compiled function (same object, same version) is referenced, and one
-        sent now is kept on the worker for the rest of the call.
+        compiled function is referenced where the worker kept it
+        (:mod:`remotorch.client.reuse`).
         """
         resident = graph.resident_set
         w, run_args, uploads = FrameWriter(), [], {}
-        self._sending.clear()
-        self._keep_inputs = []
+        self.reuse.start_request()
         for i, a in enumerate(args):
             if type(a) is RemoteTensor:
                 run_args.append(self.value_arg(a, w))
@@ -374,51 +318,11 @@ class Connection:
                     uploads[tid] = a
                 run_args.append(m.RefArg(tid))
             else:
-                if self._returned and isinstance(a, torch.Tensor):
-                    self._came_back(a)
-                if reuse and isinstance(a, torch.Tensor) and a.nbytes >= self.reuse_min_bytes:
-                    run_args.append(self._sent_once(graph, i, a, w))
-                else:
-                    run_args.append(w.value(a))
+                hid = self.reuse.arg(graph, i, a, reuse) if isinstance(a, torch.Tensor) else None
+                run_args.append(m.HandleArg(hid) if hid is not None else w.value(a))
         if uploads:
             self.upload(uploads)
         return run_args, w.frames
-
-    def _reuse_scope(self, args: Sequence) -> bool:
-        """Whether inputs may be reused within this call; a new call releases the last one's."""
-        big = any(isinstance(a, torch.Tensor) and type(a) is not RemoteTensor and a.nbytes >= self.reuse_min_bytes
-                  for a in args)
-        if not big and not self._sent:
-            return False
-        scope = call_scope()
-        if scope is None:
-            return False
-        if scope is not self._scope:
-            for entry in self._sent.values():
-                if entry[4] is not None:
-                    self.handles.release(entry[4])
-            self._sent.clear()
-            self._scope = scope
-        return big
-
-    def _sent_once(self, graph: Graph, i: int, t: torch.Tensor, w: FrameWriter):
-        entry = self._sent.get(id(t))
-        if entry is not None and entry[0]() is t and entry[1] == t._version:
-            if entry[4] is not None:
-                return m.HandleArg(entry[4])
-            origin = entry[2]()
-            if origin is not None:  # sent twice in one call: keep it at its first graph next time
-                origin.reused_inputs.add(entry[3])
-            return w.value(t)
-        if id(t) in self._sending:  # the same tensor twice in one request: sent twice
-            return w.value(t)
-        hid = None
-        if i in getattr(graph, "reused_inputs", ()):
-            hid = self.handles.reserve(1)
-            self.handles.seen(hid)
-            self._keep_inputs.append([i, hid])
-        self._sending[id(t)] = (weakref.ref(t), t._version, weakref.ref(graph), i, hid)
-        return w.value(t)
 
     # ------------------------------------------------- values that stay on workers
     def value_arg(self, t: RemoteTensor, w: FrameWriter):
@@ -478,20 +382,9 @@ class Connection:
                 out.append(placeholder(self, arg, device, graph, i))
                 continue
             value = reader.value(arg, device)
-            if i in graph.read_outputs and isinstance(value, torch.Tensor) and value.nbytes >= self.reuse_min_bytes:
-                key = id(value)
-                self._returned[key] = (weakref.ref(value, lambda _, k=key, d=self._returned: d.pop(k, None)),
-                                       weakref.ref(graph), i)
+            self.reuse.returned(graph, i, value)
             out.append(value)
         return out
-
-    def _came_back(self, t: torch.Tensor) -> None:
-        """An output sent back here is an input again: its graph keeps that output from now on."""
-        entry = self._returned.pop(id(t), None)
-        if entry is not None and entry[0]() is t:
-            graph = entry[1]()
-            if graph is not None:
-                graph.read_outputs.discard(entry[2])
 
     def refs(self, tensors: Sequence[torch.Tensor]) -> list[str]:
         """Content ids of resident tensors, uploading those the worker lacks."""

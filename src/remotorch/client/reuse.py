@@ -1,0 +1,117 @@
+"""Large inputs sent once per call, and outputs that need not have come back: learned per graph.
+
+Two things a connection learns from what the program does, so that bytes on
+the wire follow what Python reads:
+
+* **inputs**: within one call of a compiled function (its graphs, split by
+  graph breaks, run from that function's frame; see
+  :func:`remotorch.client.remote.call_scope`), a large tensor a later graph
+  takes again was sent already. The graph that sent it first learns to keep
+  it on the worker as a handle (``keep_inputs``), and from the next call on
+  the later graph references it instead of receiving it again. A tensor
+  counts as the same while it is the same object with the same version
+  counter; the handles are released when the next call starts.
+* **outputs**: a graph sends back the outputs Python read before
+  (``RemoteGraph.read_outputs``); when such an output goes straight into
+  another graph, it was not needed here after all, and the graph keeps it on
+  the worker again.
+
+Only tensors of at least ``min_bytes`` take part: below that, the bookkeeping
+costs more than the bytes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from .handles import HandleTable
+from .remote import RemoteTensor, call_scope
+
+
+class InputReuse:
+    """What one connection sent during the current call, and which outputs it sent back."""
+
+    def __init__(self, handles: HandleTable, min_bytes: int = 64 << 10) -> None:
+        self._handles = handles
+        self.min_bytes = min_bytes
+        self._scope = None  # the frame of the current call (held, so its id cannot name a later call)
+        # id(tensor) -> (tensor ref, version, graph ref, argument index, handle id or None)
+        self._sent: dict[int, tuple] = {}
+        self._sending: dict[int, tuple] = {}  # this request's additions, committed when it succeeds
+        self.keep_inputs: list[list[int]] = []  # this request's [argument index, handle id] pairs
+        self._returned: dict[int, tuple] = {}  # id(output) -> (output ref, graph ref, output index)
+
+    def begin(self, args: Sequence) -> bool:
+        """Before a call's request: whether its large inputs take part (a new call releases the last one's)."""
+        big = any(isinstance(a, torch.Tensor) and type(a) is not RemoteTensor and a.nbytes >= self.min_bytes
+                  for a in args)
+        if not big and not self._sent:
+            return False
+        scope = call_scope()
+        if scope is None:
+            return False
+        if scope is not self._scope:
+            for entry in self._sent.values():
+                if entry[4] is not None:
+                    self._handles.release(entry[4])
+            self._sent.clear()
+            self._scope = scope
+        return big
+
+    def start_request(self) -> None:
+        self._sending.clear()
+        self.keep_inputs = []
+
+    def arg(self, graph, i: int, t: torch.Tensor, reuse: bool):
+        """A handle id to send instead of ``t`` (it was sent during this call), or None to send it."""
+        if self._returned:
+            self._came_back(t)
+        if not reuse or t.nbytes < self.min_bytes:
+            return None
+        entry = self._sent.get(id(t))
+        if entry is not None and entry[0]() is t and entry[1] == t._version:
+            if entry[4] is not None:
+                return entry[4]
+            origin = entry[2]()
+            if origin is not None:  # sent twice in one call: keep it at its first graph next time
+                origin.reused_inputs.add(entry[3])
+            return None
+        if id(t) in self._sending:  # the same tensor twice in one request: sent twice
+            return None
+        hid = None
+        if i in getattr(graph, "reused_inputs", ()):
+            hid = self._handles.reserve(1)
+            self._handles.seen(hid)
+            self.keep_inputs.append([i, hid])
+        self._sending[id(t)] = (weakref.ref(t), t._version, weakref.ref(graph), i, hid)
+        return None
+
+    def committed(self) -> None:
+        """The request went through: what it sent counts for the rest of the call."""
+        if self._sending:
+            self._sent.update(self._sending)
+            self._sending.clear()
+
+    def failed(self) -> None:
+        """The request failed: inputs it asked to keep may or may not be on the worker; let it drop them."""
+        for entry in self._sending.values():
+            if entry[4] is not None:
+                self._handles.release(entry[4])
+        self._sending.clear()
+
+    def returned(self, graph, i: int, value) -> None:
+        """An output sent back because Python read it before."""
+        if i in graph.read_outputs and isinstance(value, torch.Tensor) and value.nbytes >= self.min_bytes:
+            key = id(value)
+            self._returned[key] = (weakref.ref(value, lambda _, k=key, d=self._returned: d.pop(k, None)),
+                                   weakref.ref(graph), i)
+
+    def _came_back(self, t) -> None:
+        entry = self._returned.pop(id(t), None)
+        if entry is not None and entry[0]() is t:
+            graph = entry[1]()
+            if graph is not None:
+                graph.read_outputs.discard(entry[2])
