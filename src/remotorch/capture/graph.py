@@ -90,14 +90,19 @@ class RemoteGraph:
             return self._fall_back(runner, args, self._unsupported, reached_worker=False)
         # aot_autograd analyses the first call under a dispatch mode that refuses tensor
         # subclasses; the runner's own local work (packing, placeholders) is not the graph's
-        with _disable_current_modes():
-            for i in self.fetch_first:
-                fetch_all((args[i],))
-            try:
-                return runner.run_graph(self, args)
-            except RemoteError as exc:
-                error = exc
+        try:
+            if torch._C._len_torch_dispatch_stack():
+                with _disable_current_modes():
+                    return self._run(runner, args)
+            return self._run(runner, args)
+        except RemoteError as exc:
+            error = exc
         return self._fall_back(runner, args, error, reached_worker=True)
+
+    def _run(self, runner: GraphRunner, args: list) -> list:
+        for i in self.fetch_first:
+            fetch_all((args[i],))
+        return runner.run_graph(self, args)
 
     def _fall_back(self, runner: GraphRunner, args: list, exc: RemoteError, *, reached_worker: bool) -> list:
         if self.fallback == "raise" or not runner.prepare_local(self, args, reached_worker):
@@ -110,7 +115,7 @@ class RemoteGraph:
                           f"({type(exc).__name__}: {short})", RemoteFallbackWarning, stacklevel=3)
         log.debug("local fallback for graph %s", self.graph_id[:12], exc_info=exc)
         with _disable_current_modes():
-            fetch_all(args)  # values still on a worker are read here
+            fetch_all(args)  # values still on a worker are read here (a failure to: raised)
         return list(self._local(*args))
 
 

@@ -124,7 +124,7 @@ class RemoteTensor(torch.Tensor):
             # dynamo is inlining this while it traces user code: behave as a plain tensor
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        return _eager_nodynamo(func, args, kwargs)
+        return _dynamo_hooks()(func, args, kwargs)
 
     @property
     def is_remote(self) -> bool:
@@ -161,13 +161,6 @@ class RemoteTensor(torch.Tensor):
         return self  # to the graphs it is a plain tensor (aot_autograd checks tangents' types)
 
 
-# Dynamo must run this frame eagerly when it starts at top level (a read from
-# eager code inside a compiled frame, after a graph break) and still inline it
-# while it traces user code. skip_code is what torch.compiler.disable(recursive=False)
-# uses; it exists in torch 2.11 to 2.13.
-from torch._dynamo.eval_frame import skip_code as _skip_code  # noqa: E402
-
-_skip_code(RemoteTensor.__torch_function__.__func__.__code__)
 
 
 def _eager(func, args, kwargs):
@@ -191,7 +184,23 @@ def _eager(func, args, kwargs):
         return func(*args, **kwargs)
 
 
-_eager_nodynamo = torch._dynamo.disable(_eager, recursive=True)
+_EAGER: list = []
+
+
+def _dynamo_hooks():
+    """``_eager`` wrapped so dynamo never traces it, set up on first use (the worker never needs it).
+
+    Dynamo must also run ``__torch_function__`` eagerly when it starts at top
+    level (a read from eager code inside a compiled frame, after a graph
+    break) and still inline it while it traces user code: ``skip_code`` is
+    what ``torch.compiler.disable(recursive=False)`` uses (torch 2.11 to 2.13).
+    """
+    if not _EAGER:
+        from torch._dynamo.eval_frame import skip_code
+
+        skip_code(RemoteTensor.__torch_function__.__func__.__code__)
+        _EAGER.append(torch._dynamo.disable(_eager, recursive=True))
+    return _EAGER[0]
 
 
 def _mutating(func, kwargs) -> bool:
@@ -240,6 +249,8 @@ def _lazy_view(func, src: RemoteTensor, args, kwargs):
 def placeholder(conn: Connection, kept: m.KeptArg, device: torch.device | None, graph=None,
                 index: int = -1, launched=None) -> RemoteTensor:
     """A local stand-in for the tensor the worker kept (or, launched, will keep) as ``kept.id``."""
+    if not _EAGER:
+        _dynamo_hooks()
     buf = torch.empty_strided(kept.shape, kept.strides, dtype=dtype_from_name(kept.dtype),
                               device=device if device is not None else "cpu")
     t = torch.Tensor._make_subclass(RemoteTensor, buf, False)
@@ -292,18 +303,26 @@ _SKIPPED_DIRS = tuple({os.path.dirname(torch.__file__) + os.sep,
 _RESUME = ("torch_dynamo_resume_in_", "__resume_at_")
 
 
+_USER_CODE: dict = {}  # code object -> whether its frames are the user's (cached: frames are many)
+
+
 def call_scope():
     """The frame of the user function whose compiled code runs the current graph.
 
     The graphs of one call of a compiled function (split by graph breaks)
     run from that function's frame or from dynamo's resume functions called
     from it; a new call has a new frame. Inputs sent during one call may be
-    referenced by the next graphs of the same call (see ``Connection.pack_args``).
+    referenced by the next graphs of the same call (see ``client.reuse``).
     """
     f = sys._getframe(1)
+    known = _USER_CODE
     while f is not None:
         code = f.f_code
-        if not code.co_filename.startswith(_SKIPPED_DIRS) and not code.co_name.startswith(_RESUME):
+        user = known.get(code)
+        if user is None:
+            user = known[code] = (not code.co_filename.startswith(_SKIPPED_DIRS)
+                                  and not code.co_name.startswith(_RESUME))
+        if user:
             return f
         f = f.f_back
     return None
