@@ -78,11 +78,11 @@ OutputArg = Union[TensorArg, ScalarArg, HandleArg, KeptArg]
 
 
 # ----------------------------------------------------------------------- requests
-class Health(msgspec.Struct, frozen=True, tag="health"):
+class Health(msgspec.Struct, frozen=True, tag="health", omit_defaults=True):
     """Ask who the worker is and what it offers."""
 
 
-class Pending(msgspec.Struct, frozen=True, tag="pending"):
+class Pending(msgspec.Struct, frozen=True, tag="pending", omit_defaults=True):
     """Housekeeping the client deferred: applied before the request that carries it.
 
     ``zero_grad``: optimizers whose gradients are cleared (set to None) first;
@@ -98,7 +98,7 @@ class Pending(msgspec.Struct, frozen=True, tag="pending"):
     tensors: list[str] = []
 
 
-class PutGraph(msgspec.Struct, frozen=True, tag="put_graph"):
+class PutGraph(msgspec.Struct, frozen=True, tag="put_graph", omit_defaults=True):
     """Upload a graph document; frames hold its tensor constants (see ``consts``)."""
 
     graph_id: str
@@ -107,7 +107,7 @@ class PutGraph(msgspec.Struct, frozen=True, tag="put_graph"):
     pending: Union[Pending, None] = None
 
 
-class PutTensors(msgspec.Struct, frozen=True, tag="put_tensors"):
+class PutTensors(msgspec.Struct, frozen=True, tag="put_tensors", omit_defaults=True):
     """Upload resident tensors (weights, buffers) under their content ids."""
 
     ids: list[str]
@@ -115,7 +115,7 @@ class PutTensors(msgspec.Struct, frozen=True, tag="put_tensors"):
     pending: Union[Pending, None] = None
 
 
-class RunGraph(msgspec.Struct, frozen=True, tag="run"):
+class RunGraph(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
     """Run an uploaded graph on an engine with the given flat arguments.
 
     Tensor outputs whose index is in ``keep`` stay on the worker as handles
@@ -133,12 +133,12 @@ class RunGraph(msgspec.Struct, frozen=True, tag="run"):
     keep_inputs: list[list[int]] = []  # [argument index, handle id]: keep these inputs as handles too
 
 
-class Echo(msgspec.Struct, frozen=True, tag="echo"):
+class Echo(msgspec.Struct, frozen=True, tag="echo", omit_defaults=True):
     """Send the frames straight back: measures the transport alone."""
 
 
 # ------------------------------------------------------- sessions beyond a connection
-class Attach(msgspec.Struct, frozen=True, tag="attach"):
+class Attach(msgspec.Struct, frozen=True, tag="attach", omit_defaults=True):
     """Serve this connection as the session ``session_id`` (kept for the lease after a drop).
 
     Sent first on every new connection by clients that want their uploads to
@@ -148,15 +148,15 @@ class Attach(msgspec.Struct, frozen=True, tag="attach"):
     session_id: str
 
 
-class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
+class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", omit_defaults=True):
     """Keep an idle attached session's lease alive (answered ``Ok``)."""
 
 
-class Detach(msgspec.Struct, frozen=True, tag="detach"):
+class Detach(msgspec.Struct, frozen=True, tag="detach", omit_defaults=True):
     """End this connection's attached session now: the worker frees what it held (answered ``Ok``)."""
 
 
-class AttachReply(msgspec.Struct, frozen=True, tag="attach_reply"):
+class AttachReply(msgspec.Struct, frozen=True, tag="attach_reply", omit_defaults=True):
     """``resumed``: the worker still held this session; ``lease_s``: how long it keeps an idle one."""
 
     resumed: bool
@@ -164,7 +164,7 @@ class AttachReply(msgspec.Struct, frozen=True, tag="attach_reply"):
 
 
 # ------------------------------------------------------------------------ replies
-class HealthReply(msgspec.Struct, frozen=True, tag="health_reply"):
+class HealthReply(msgspec.Struct, frozen=True, tag="health_reply", omit_defaults=True):
     name: str
     device: str
     torch_version: str
@@ -177,11 +177,11 @@ class HealthReply(msgspec.Struct, frozen=True, tag="health_reply"):
     connections: int = 0  # connections that have sent a request and are open now
 
 
-class Ok(msgspec.Struct, frozen=True, tag="ok"):
+class Ok(msgspec.Struct, frozen=True, tag="ok", omit_defaults=True):
     pass
 
 
-class RunReply(msgspec.Struct, frozen=True, tag="run_reply"):
+class RunReply(msgspec.Struct, frozen=True, tag="run_reply", omit_defaults=True):
     """Flat outputs (tensors in frames, scalars inline, kept ones as handles) and the worker's own timing."""
 
     outputs: list[OutputArg]
@@ -189,11 +189,11 @@ class RunReply(msgspec.Struct, frozen=True, tag="run_reply"):
     compiled: bool = False  # this call compiled the graph for its engine
 
 
-class EchoReply(msgspec.Struct, frozen=True, tag="echo_reply"):
+class EchoReply(msgspec.Struct, frozen=True, tag="echo_reply", omit_defaults=True):
     pass
 
 
-class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
+class ErrorReply(msgspec.Struct, frozen=True, tag="error", omit_defaults=True):
     """A typed failure; ``kind`` names a class in ``remotorch.errors``."""
 
     kind: str
@@ -211,7 +211,7 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
 Hyper = Union[int, float, bool, None, str, list[Union[int, float, bool]]]
 
 
-class RunResident(msgspec.Struct, frozen=True, tag="run_resident"):
+class RunResident(msgspec.Struct, frozen=True, tag="run_resident", omit_defaults=True):
     """RunGraph with resident state: handles and slots as arguments, outputs kept or accumulated.
 
     Outputs at index >= ``keep_from`` that are tensors stay on the worker as
@@ -231,7 +231,7 @@ class RunResident(msgspec.Struct, frozen=True, tag="run_resident"):
     keep_inputs: list[list[int]] = []
 
 
-class BindSlots(msgspec.Struct, frozen=True, tag="bind_slots"):
+class BindSlots(msgspec.Struct, frozen=True, tag="bind_slots", omit_defaults=True):
     """Set parameter slots (created if new) from uploaded content (RefArg) or inline tensors."""
 
     slots: list[int]
@@ -239,7 +239,7 @@ class BindSlots(msgspec.Struct, frozen=True, tag="bind_slots"):
     pending: Union[Pending, None] = None
 
 
-class AccumulateGrads(msgspec.Struct, frozen=True, tag="accumulate_grads"):
+class AccumulateGrads(msgspec.Struct, frozen=True, tag="accumulate_grads", omit_defaults=True):
     """Add gradients computed on the client (frames) into parameter slots' gradients."""
 
     slots: list[int]
@@ -247,7 +247,7 @@ class AccumulateGrads(msgspec.Struct, frozen=True, tag="accumulate_grads"):
     pending: Union[Pending, None] = None
 
 
-class PullSlots(msgspec.Struct, frozen=True, tag="pull_slots"):
+class PullSlots(msgspec.Struct, frozen=True, tag="pull_slots", omit_defaults=True):
     """Ask for the current values (and gradients) of parameter slots."""
 
     slots: list[int]
@@ -255,7 +255,7 @@ class PullSlots(msgspec.Struct, frozen=True, tag="pull_slots"):
     pending: Union[Pending, None] = None
 
 
-class OptimCreate(msgspec.Struct, frozen=True, tag="optim_create"):
+class OptimCreate(msgspec.Struct, frozen=True, tag="optim_create", omit_defaults=True):
     """Create ``torch.optim.<name>`` on the worker over slots, one list per parameter group."""
 
     optim: int
@@ -265,7 +265,7 @@ class OptimCreate(msgspec.Struct, frozen=True, tag="optim_create"):
     pending: Union[Pending, None] = None
 
 
-class OptimStep(msgspec.Struct, frozen=True, tag="optim_step"):
+class OptimStep(msgspec.Struct, frozen=True, tag="optim_step", omit_defaults=True):
     """Set changed hyperparameters per group (``hyper[i]`` for group i), then ``step()``."""
 
     optim: int
@@ -273,7 +273,7 @@ class OptimStep(msgspec.Struct, frozen=True, tag="optim_step"):
     pending: Union[Pending, None] = None
 
 
-class OptimZeroGrad(msgspec.Struct, frozen=True, tag="optim_zero_grad"):
+class OptimZeroGrad(msgspec.Struct, frozen=True, tag="optim_zero_grad", omit_defaults=True):
     """``zero_grad(set_to_none)`` of a worker-side optimizer."""
 
     optim: int
@@ -281,7 +281,7 @@ class OptimZeroGrad(msgspec.Struct, frozen=True, tag="optim_zero_grad"):
     pending: Union[Pending, None] = None
 
 
-class ClipGradNorm(msgspec.Struct, frozen=True, tag="clip_grad_norm"):
+class ClipGradNorm(msgspec.Struct, frozen=True, tag="clip_grad_norm", omit_defaults=True):
     """``torch.nn.utils.clip_grad_norm_`` over an optimizer's parameters; answers the norm."""
 
     optim: int
@@ -291,14 +291,14 @@ class ClipGradNorm(msgspec.Struct, frozen=True, tag="clip_grad_norm"):
     pending: Union[Pending, None] = None
 
 
-class OptimGetState(msgspec.Struct, frozen=True, tag="optim_get_state"):
+class OptimGetState(msgspec.Struct, frozen=True, tag="optim_get_state", omit_defaults=True):
     """Ask for an optimizer's per-parameter state (for a checkpoint)."""
 
     optim: int
     pending: Union[Pending, None] = None
 
 
-class OptimSetState(msgspec.Struct, frozen=True, tag="optim_set_state"):
+class OptimSetState(msgspec.Struct, frozen=True, tag="optim_set_state", omit_defaults=True):
     """Replace an optimizer's per-parameter state; ``entries`` as in :class:`OptimStateReply`."""
 
     optim: int
@@ -306,7 +306,7 @@ class OptimSetState(msgspec.Struct, frozen=True, tag="optim_set_state"):
     pending: Union[Pending, None] = None
 
 
-class OptimStateReply(msgspec.Struct, frozen=True, tag="optim_state_reply"):
+class OptimStateReply(msgspec.Struct, frozen=True, tag="optim_state_reply", omit_defaults=True):
     """Per-parameter optimizer state: ``[parameter index, key, value]`` entries, tensors in frames.
 
     The parameter index counts the optimizer's parameters group by group, as
@@ -316,7 +316,7 @@ class OptimStateReply(msgspec.Struct, frozen=True, tag="optim_state_reply"):
     entries: list[tuple[int, str, Union[TensorArg, ScalarArg]]]
 
 
-class ResidentReply(msgspec.Struct, frozen=True, tag="resident_reply"):
+class ResidentReply(msgspec.Struct, frozen=True, tag="resident_reply", omit_defaults=True):
     """Outputs of a RunResident: tensors in frames, scalars, or handles kept on the worker."""
 
     outputs: list[OutputArg]
@@ -324,21 +324,21 @@ class ResidentReply(msgspec.Struct, frozen=True, tag="resident_reply"):
     compiled: bool = False
 
 
-class PullReply(msgspec.Struct, frozen=True, tag="pull_reply"):
+class PullReply(msgspec.Struct, frozen=True, tag="pull_reply", omit_defaults=True):
     """Slot values (and gradients, nil where none) as tensors in frames."""
 
     values: list[TensorMeta]
     grads: list[Union[TensorMeta, None]] = []
 
 
-class NormReply(msgspec.Struct, frozen=True, tag="norm_reply"):
+class NormReply(msgspec.Struct, frozen=True, tag="norm_reply", omit_defaults=True):
     norm: float
 
 
 
 
 # -------------------------------------------------------------------- profiling
-class ProfileGraph(msgspec.Struct, frozen=True, tag="profile"):
+class ProfileGraph(msgspec.Struct, frozen=True, tag="profile", omit_defaults=True):
     """Run an uploaded graph ``warmups`` times untimed, then ``repeats`` times timed."""
 
     graph_id: str
@@ -348,7 +348,7 @@ class ProfileGraph(msgspec.Struct, frozen=True, tag="profile"):
     repeats: int = 10
 
 
-class ProfileReply(msgspec.Struct, frozen=True, tag="profile_reply"):
+class ProfileReply(msgspec.Struct, frozen=True, tag="profile_reply", omit_defaults=True):
     """Outputs of the last run, the worker's time for each timed run, and how it timed them."""
 
     outputs: list[Arg]
@@ -360,20 +360,20 @@ class ProfileReply(msgspec.Struct, frozen=True, tag="profile_reply"):
 
 
 # --------------------------------------------------- values that stay on the worker
-class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
+class Fetch(msgspec.Struct, frozen=True, tag="fetch", omit_defaults=True):
     """Send back the tensors of handles (or of views of them), without dropping them."""
 
     args: list[Union[HandleArg, ViewArg]]
     pending: Union[Pending, None] = None
 
 
-class FetchReply(msgspec.Struct, frozen=True, tag="fetch_reply"):
+class FetchReply(msgspec.Struct, frozen=True, tag="fetch_reply", omit_defaults=True):
     """The fetched tensors, in frames, in the order asked."""
 
     values: list[TensorMeta]
 
 
-class ExpectHandles(msgspec.Struct, frozen=True, tag="expect_handles"):
+class ExpectHandles(msgspec.Struct, frozen=True, tag="expect_handles", omit_defaults=True):
     """Prepare to receive tensors from another worker as these handles of this session.
 
     The worker answers a one-time ticket; a worker that presents it (``Deliver``)
@@ -385,7 +385,7 @@ class ExpectHandles(msgspec.Struct, frozen=True, tag="expect_handles"):
     pending: Union[Pending, None] = None
 
 
-class TicketReply(msgspec.Struct, frozen=True, tag="ticket_reply"):
+class TicketReply(msgspec.Struct, frozen=True, tag="ticket_reply", omit_defaults=True):
     """A one-time capability: ``ticket_id`` names it, ``secret`` authenticates its bearer."""
 
     ticket_id: bytes
@@ -393,7 +393,7 @@ class TicketReply(msgspec.Struct, frozen=True, tag="ticket_reply"):
     expires_s: float
 
 
-class SendHandles(msgspec.Struct, frozen=True, tag="send_handles"):
+class SendHandles(msgspec.Struct, frozen=True, tag="send_handles", omit_defaults=True):
     """Send these handles' tensors (or views) to the worker at ``url`` under its ticket; answered
     ``Ok`` once that worker stored them."""
 
@@ -404,7 +404,7 @@ class SendHandles(msgspec.Struct, frozen=True, tag="send_handles"):
     pending: Union[Pending, None] = None
 
 
-class Deliver(msgspec.Struct, frozen=True, tag="deliver"):
+class Deliver(msgspec.Struct, frozen=True, tag="deliver", omit_defaults=True):
     """Worker to worker, on a connection opened with a ticket: the tensors it names, in frames."""
 
     metas: list[TensorMeta]

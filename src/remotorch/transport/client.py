@@ -58,30 +58,32 @@ def _spin(channel: FramedChannel, seconds: float) -> None:
 
 
 
+_MAPPED = (socket.timeout, ssl.SSLError, FramingError, OSError, ConnectionError)  # what _mapped() translates
+
+
+def _mapped(exc: BaseException, url: str, timeout: float | None) -> Exception:
+    """A socket, TLS or framing failure as the ``remotorch.errors`` type it means."""
+    if isinstance(exc, socket.timeout):
+        return WorkerUnavailableError(f"worker at {url} did not answer within {timeout}s")
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return AuthenticationError(f"{url}: the worker's TLS certificate is not trusted: {exc.verify_message}")
+    if isinstance(exc, ssl.SSLError):
+        return ProtocolError(f"{url}: TLS failed: {exc}")
+    if isinstance(exc, AuthFailed):
+        return AuthenticationError(f"{url}: {exc}")
+    if isinstance(exc, FramingError):
+        return ProtocolError(f"{url}: {exc}")
+    return WorkerUnavailableError(f"lost the connection to {url}: {exc}")
+
+
 @contextmanager
 def _mapped_errors(url: str, timeout: float | None, drop: Callable[[], None] = lambda: None) -> Iterator[None]:
     """Socket, TLS and framing failures as ``remotorch.errors`` types (``drop`` runs first)."""
     try:
         yield
-    except socket.timeout as exc:
+    except _MAPPED as exc:
         drop()
-        raise WorkerUnavailableError(f"worker at {url} did not answer within {timeout}s") from exc
-    except ssl.SSLCertVerificationError as exc:
-        drop()
-        raise AuthenticationError(f"{url}: the worker's TLS certificate is not trusted: "
-                                  f"{exc.verify_message}") from exc
-    except ssl.SSLError as exc:
-        drop()
-        raise ProtocolError(f"{url}: TLS failed: {exc}") from exc
-    except AuthFailed as exc:
-        drop()
-        raise AuthenticationError(f"{url}: {exc}") from exc
-    except FramingError as exc:
-        drop()
-        raise ProtocolError(f"{url}: {exc}") from exc
-    except (OSError, ConnectionError) as exc:
-        drop()
-        raise WorkerUnavailableError(f"lost the connection to {url}: {exc}") from exc
+        raise _mapped(exc, url, timeout) from exc
 
 
 class TcpTransport(Transport):
@@ -180,8 +182,11 @@ class TcpTransport(Transport):
                 raise ProtocolError("replies to posted messages must be collected first")
             if self._channel is None:
                 self._channel = self._connect()
-            with _mapped_errors(self.url, self.timeout, self._drop):
+            try:  # the hot path: a plain try costs nothing when nothing fails
                 return self._exchange(self._channel, header, frames)
+            except _MAPPED as exc:
+                self._drop()
+                raise _mapped(exc, self.url, self.timeout) from exc
 
     def post(self, header: bytes, frames: Sequence[Buffer] = ()) -> None:
         with self._lock:

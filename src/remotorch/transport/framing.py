@@ -91,14 +91,19 @@ def encode_message(key: bytes, seq: int, header: bytes, frames: Sequence = ()) -
     pieces of ``_CHUNK`` bytes, each added to the Poly1305 tag as it is
     taken (just before it is written: one pass over memory), then the MAC.
     """
+    return _encoded(key, seq, header, frames)[0]
+
+
+def _encoded(key: bytes, seq: int, header: bytes, frames: Sequence) -> tuple[Iterator, int]:
     views = [memoryview(f).cast("B") for f in frames]
     sizes = [v.nbytes for v in views]
     n = 1 + len(views)
     head = _FIXED.pack(MAGIC, seq, n) + struct.pack(f"<{n}Q", len(header), *sizes) + header
-    if sum(sizes) <= INLINE_MAC:
+    total = sum(sizes)
+    if total <= INLINE_MAC:
         body = b"".join([head, *views]) if views else head
-        return iter((body + hmac.digest(key, body, "sha256"),))
-    return _streamed(key, seq, head, views)
+        return iter((body + hmac.digest(key, body, "sha256"),)), len(head) + total + MAC_SIZE
+    return _streamed(key, seq, head, views), len(head) + total + MAC_SIZE
 
 
 def message_size(header: bytes, frames: Sequence) -> int:
@@ -230,8 +235,9 @@ class FramedChannel:
             raise RuntimeError("the previous message is not sent yet")
         seq = self._send_seq
         self._send_seq += 1
-        self._out = _batches(encode_message(self._send_key, seq, header, frames))
-        return message_size(header, frames)
+        pieces, size = _encoded(self._send_key, seq, header, frames)
+        self._out = _batches(pieces)
+        return size
 
     @property
     def sending(self) -> bool:
