@@ -211,6 +211,15 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error", omit_defaults=True):
 Hyper = Union[int, float, bool, None, str, list[Union[int, float, bool]]]
 
 
+class SendOutputs(msgspec.Struct, frozen=True, array_like=True):
+    """After the run, deliver these outputs to the worker at ``url`` under its ticket (§18)."""
+
+    outputs: list[int]
+    url: str
+    ticket_id: bytes
+    secret: bytes
+
+
 class RunResident(msgspec.Struct, frozen=True, tag="run_resident", omit_defaults=True):
     """RunGraph with resident state: handles and slots as arguments, outputs kept or accumulated.
 
@@ -229,6 +238,7 @@ class RunResident(msgspec.Struct, frozen=True, tag="run_resident", omit_defaults
     keep: list[int] = []  # outputs before keep_from kept too (as KeptArg), numbered after the saved ones
     keep_min_bytes: int = 0
     keep_inputs: list[list[int]] = []
+    send: list[SendOutputs] = []  # outputs delivered worker to worker (contiguous) before the reply
 
 
 class BindSlots(msgspec.Struct, frozen=True, tag="bind_slots", omit_defaults=True):
@@ -383,6 +393,7 @@ class ExpectHandles(msgspec.Struct, frozen=True, tag="expect_handles", omit_defa
     handles: list[int]
     metas: list[TensorMeta]  # dtype, shape, strides of each (``frame`` unused)
     pending: Union[Pending, None] = None
+    ttl_s: float = 0.0  # how long the ticket may wait (0: the worker's default; capped by the worker)
 
 
 class TicketReply(msgspec.Struct, frozen=True, tag="ticket_reply", omit_defaults=True):

@@ -50,7 +50,11 @@ class Tickets:
         self._by_id: dict[bytes, Ticket] = {}
         self._lock = threading.Lock()
 
-    def issue(self, session: object, handles: list[int], metas: list[m.TensorMeta]) -> Ticket:
+    max_ttl_s = 3600.0  # the longest a client may ask a ticket to wait (a long pipeline step)
+
+    def issue(self, session: object, handles: list[int], metas: list[m.TensorMeta], ttl_s: float = 0.0) -> Ticket:
+        """A ticket for these handles; ``ttl_s`` > 0 asks for another lifetime (capped at ``max_ttl_s``)."""
+        ttl = min(float(ttl_s), self.max_ttl_s) if ttl_s and ttl_s > 0 else self.ttl_s
         with self._lock:
             now = self._clock()
             for tid in [t for t, k in self._by_id.items() if k.expires <= now]:
@@ -58,7 +62,7 @@ class Tickets:
             if len(self._by_id) >= self._limit:
                 raise LimitExceededError(f"over {self._limit} transfer tickets are outstanding")
             ticket = Ticket(os.urandom(TICKET_ID_SIZE), os.urandom(32), session, list(handles), list(metas),
-                            now + self.ttl_s)
+                            now + ttl)
             self._by_id[ticket.ticket_id] = ticket
             return ticket
 
@@ -73,6 +77,9 @@ class Tickets:
         with self._lock:
             ticket = self._by_id.pop(ticket_id, None)
             return ticket if ticket is not None and ticket.expires > self._clock() else None
+
+    def now(self) -> float:
+        return self._clock()
 
     def __len__(self) -> int:
         return len(self._by_id)

@@ -195,6 +195,7 @@ class Service:
         saved_ids = dict(zip(saved, state.keep(session, req.handle_base, [outs[i] for i in saved])))
         kept = self._keep_values(session, req.keep, outs, req.handle_base + len(saved), set(saved),
                                  req.keep_min_bytes)
+        sent = self._send_outputs(req.send, outs) if resident and req.send else set()
         # a gradient may alias an argument or another output (e.g. the incoming
         # gradient passed straight through): only a fresh tensor may become .grad
         taken = {t.untyped_storage().data_ptr() for t in ran.inputs if isinstance(t, torch.Tensor)} if grads else set()
@@ -204,6 +205,8 @@ class Service:
                 out_args.append(m.HandleArg(saved_ids[i]))
             elif i in kept:
                 out_args.append(m.KeptArg(kept[i], dtype_name(o.dtype), list(o.shape), list(o.stride())))
+            elif i in sent:
+                out_args.append(m.ScalarArg(None))
             elif i in grads and isinstance(o, torch.Tensor):
                 ptr = o.untyped_storage().data_ptr()
                 state.accumulate(session, grads[i], o, owned=ptr not in taken and not o._is_view())
@@ -213,6 +216,19 @@ class Service:
                 out_args.append(w.value(o))
         reply = m.ResidentReply if resident else m.RunReply
         return m.encode(reply(out_args, ran.ms, ran.compiled)), w.frames
+
+    def _send_outputs(self, sends: list, outs: list) -> set[int]:
+        """Deliver outputs to other workers under their tickets (a pipeline stage's activations
+        or gradients); returns the indices sent. Each is sent contiguous, as tickets expect."""
+        done: set[int] = set()
+        for s in sends:
+            if not s.outputs or any(type(i) is not int or not 0 <= i < len(outs) or i in done
+                                    or not isinstance(outs[i], torch.Tensor) for i in s.outputs):
+                raise InvalidRequestError("send must name distinct tensor outputs")
+            done.update(s.outputs)
+            send_to_peer(s.url, s.ticket_id, s.secret, [outs[i].contiguous() for i in s.outputs],
+                         timeout=self.peer_timeout_s, tls_ca=self.peer_tls_ca)
+        return done
 
     def _grad_slots(self, session, pairs: list[list[int]]) -> dict[int, int]:
         grads = {}
@@ -314,8 +330,9 @@ class Service:
     def _expect_handles(self, session, req: m.ExpectHandles, frames) -> Reply:
         if len(req.handles) != len(req.metas) or len(set(req.handles)) != len(req.handles):
             raise InvalidRequestError("one layout per expected handle, and distinct handles")
-        ticket = self.tickets.issue(session, req.handles, req.metas)
-        return m.encode(m.TicketReply(ticket.ticket_id, ticket.secret, self.tickets.ttl_s)), []
+        ticket = self.tickets.issue(session, req.handles, req.metas, req.ttl_s)
+        return m.encode(m.TicketReply(ticket.ticket_id, ticket.secret,
+                                      ticket.expires - self.tickets.now())), []
 
     def _send_handles(self, session, req: m.SendHandles, frames) -> Reply:
         """Open a connection to the receiving worker with its ticket and deliver the tensors (this loop waits)."""

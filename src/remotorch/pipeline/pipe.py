@@ -1,0 +1,198 @@
+"""``Pipeline``: train a model split into stages on several workers, with any schedule.
+
+::
+
+    pipe = pipeline.Pipeline(model, split_before=["layers.4"], session=s, schedule="1F1B",
+                             microbatches=8, loss_fn=loss_fn)
+    opt = pipe.optimizer(torch.optim.AdamW, lr=1e-3)
+    loss = pipe.step(x, y); opt.step(); opt.zero_grad()
+    pipe.pull(model)
+
+The first ``step`` traces ``loss_fn(model(*x), y)`` on one microbatch as
+one graph, splits it (:mod:`.split`), uploads each stage's graphs to its
+worker (stage i on worker i mod W) and puts its parameters in slots there.
+Every step then runs the schedule (:mod:`.runtime`): the client sends each
+microbatch's leaves to the stages that take them and receives the losses;
+activations and gradients go worker to worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..client.session import Session, default_session
+from .optim import PipelineOptimizer
+from .runtime import Plan, StepRun
+from .split import Split, split_model
+from .stage import StageRunner
+
+log = logging.getLogger(__name__)
+
+
+class Pipeline:
+    """A model cut before the submodules ``split_before`` names, trained stage by stage on the session's workers.
+
+    ``schedule`` is a name (``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``)
+    or a :class:`~remotorch.pipeline.schedules.Schedule` written by hand;
+    ``loss_fn(output, target)`` runs on the last stage for each microbatch,
+    and a step's gradients are those of the mean loss over the whole batch.
+    """
+
+    def __init__(self, model: torch.nn.Module, split_before: Sequence[str], *, loss_fn: Callable,
+                 session: Session | None = None, schedule="1F1B", microbatches: int = 4,
+                 engine: str = "eager") -> None:
+        if microbatches < 1:
+            raise ValueError("microbatches must be at least 1")
+        if isinstance(split_before, str):
+            split_before = [split_before]
+        self.model = model
+        self.split_before = list(split_before)
+        self.loss_fn = loss_fn
+        self.session = session if session is not None else default_session()
+        self.schedule_spec = schedule
+        self.microbatches = microbatches
+        self.engine = engine
+        self.schedule = None
+        self.split: Split | None = None
+        self.plan: Plan | None = None
+        self._shapes = None
+        self._optimizer: PipelineOptimizer | None = None
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.split_before) + 1
+
+    # ------------------------------------------------------------------- build
+    def _chunks(self, x, y) -> tuple[list, list]:
+        args = x if isinstance(x, tuple) else (x,)
+        leaves, spec = pytree.tree_flatten((args, y))
+        n = self.microbatches
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if not tensors:
+            raise TypeError("pipe.step takes tensors: the model's inputs and the target")
+        batch = tensors[0].shape[0] if tensors[0].dim() else 0
+        for t in tensors:
+            if t.dim() == 0 or t.shape[0] != batch:
+                raise ValueError("every input and the target must share the batch dimension (dim 0)")
+        if batch % n:
+            raise ValueError(f"a batch of {batch} does not split into {n} equal microbatches")
+        per = [t.chunk(n) for t in tensors]
+        mbs = []
+        for i in range(n):
+            it = iter(p[i] for p in per)
+            mbs.append(pytree.tree_unflatten([next(it) if isinstance(v, torch.Tensor) else v for v in leaves], spec))
+        return mbs, [(tuple(t.shape[1:]), t.dtype) for t in tensors]
+
+    def _build(self, first) -> None:
+        args, target = first
+        self.split = split_model(self.model, self.loss_fn, self.split_before, args, target)
+        conns = self.session.connections()
+        workers = min(len(conns), self.num_stages)
+        self.schedule = self._make_schedule(workers)
+        placement = tuple(self.schedule.placement)
+        runners = []
+        for stage in self.split.stages:
+            conn = conns[placement[stage.index]]
+            runners.append(StageRunner(stage, self.session.stateful(conn), self.engine))
+        self.plan = Plan(runners, placement, [conns[w].url or "" for w in range(workers)])
+        for r in runners:
+            r.bind()
+        log.info("pipeline: %d stages on %d workers, schedule %s", self.num_stages, workers, self.schedule.name)
+
+    def _make_schedule(self, workers: int):
+        from . import schedules
+        spec = self.schedule_spec
+        if isinstance(spec, str):
+            chunks = self.num_stages // workers if "interleaved" in spec.lower() else 1
+            if "interleaved" in spec.lower() and self.num_stages % workers:
+                raise ValueError(f"{spec} needs the stages ({self.num_stages}) to be a multiple of the "
+                                 f"workers ({workers})")
+            sched = schedules.build(spec, self.num_stages, self.microbatches, chunks=chunks, workers=workers)
+        else:
+            sched = spec
+        schedules.validate(sched)
+        if sched.stages != self.num_stages or sched.microbatches != self.microbatches:
+            raise ValueError(f"the schedule is for {sched.stages} stages x {sched.microbatches} microbatches; "
+                             f"this pipeline has {self.num_stages} x {self.microbatches}")
+        if sched.workers > len(self.session.connections()):
+            raise ValueError(f"the schedule uses {sched.workers} workers; the session has "
+                             f"{len(self.session.connections())}")
+        return sched
+
+    # -------------------------------------------------------------------- step
+    def step(self, x, y) -> torch.Tensor:
+        """Forward and backward of every microbatch (gradients accumulate on the workers); the mean loss."""
+        mbs, shapes = self._chunks(x, y)
+        if self.plan is None:
+            self._build(mbs[0])
+            self._shapes = shapes
+        elif shapes != self._shapes:
+            raise ValueError(f"microbatch shapes changed from {self._shapes} to {shapes}: a pipeline is "
+                             "traced for one shape (make a new Pipeline for another)")
+        for r in self.plan.runners:
+            r.bind()  # parameters changed here since (load_state_dict, a local edit) go up first
+        n_args = self.split.n_inputs
+        leaves, targets = [], []
+        for args, target in mbs:
+            flat = [t for t in pytree.tree_leaves((args, target)) if isinstance(t, torch.Tensor)]
+            leaves.append(flat[:n_args])
+            targets.append(flat[n_args:])
+        return StepRun(self.plan, self.schedule, leaves, targets).run()
+
+    # ---------------------------------------------------------- optimizer etc.
+    def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **hyperparameters) -> PipelineOptimizer:
+        """One ``optimizer_class`` per worker over its stages' parameters, as one ``torch.optim.Optimizer``."""
+        self._optimizer = PipelineOptimizer(self, optimizer_class, **hyperparameters)
+        return self._optimizer
+
+    def parameters_by_worker(self) -> list[tuple[object, list[tuple[str, torch.Tensor]]]]:
+        """(training client, [(name, parameter)]) per worker that holds stages (after the first step)."""
+        if self.plan is None:
+            return []
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        by_client: dict[int, tuple] = {}
+        for r in self.plan.runners:
+            entry = by_client.setdefault(id(r.client), (r.client, []))
+            entry[1].extend((names[id(p)], p) for p in r.params)
+        return list(by_client.values())
+
+    def pull(self, model: torch.nn.Module | None = None) -> int:
+        """Bring the workers' parameters of record back into ``model`` (default: the pipeline's own)."""
+        count = 0
+        for client, named in self.parameters_by_worker():
+            count += client.pull_tensors([p for _, p in named])
+        if model is not None and model is not self.model:
+            own = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name in own:
+                        p.copy_(own[name])
+        return count
+
+    def state_dict(self) -> dict:
+        """Parameters (by qualified name) and optimizer state of every stage, for a checkpoint."""
+        self.pull()
+        return {"model": {n: p.detach().clone() for n, p in self.model.named_parameters()},
+                "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a checkpoint: parameters go up with the next step, optimizer state now (or at binding)."""
+        own = dict(self.model.named_parameters())
+        missing = sorted(set(own) - set(state["model"]))
+        if missing:
+            raise KeyError(f"checkpoint lacks parameters {missing[:5]}")
+        with torch.no_grad():
+            for name, value in state["model"].items():
+                own[name].copy_(value)
+        if state.get("optimizer") is not None:
+            if self._optimizer is None:
+                raise RuntimeError("make the optimizer (pipe.optimizer(...)) before loading its state")
+            self._optimizer.load_state_dict(state["optimizer"])
+
+    def __repr__(self) -> str:
+        return (f"Pipeline(stages={self.num_stages}, microbatches={self.microbatches}, "
+                f"schedule={getattr(self.schedule, 'name', self.schedule_spec)!r})")

@@ -1,0 +1,228 @@
+"""The one interpreter: runs any valid schedule on the stages' workers, one thread per worker.
+
+Each worker's thread first asks its worker for a ticket per transfer it will
+receive during the step (the activations its stages take, the gradients of
+the outputs they give), then executes that worker's actions in the
+schedule's order. An action waits only for what it consumes: a forward for
+the forwards of the stages that produce its inputs, a backward for the
+backwards of the stages that took its outputs, and either for the tickets of
+the workers it delivers to. No send or receive is written anywhere: a
+producer's request carries "deliver output k to that worker under this
+ticket", derived from the split's edges, so the order of transfers is the
+order of the schedule and cannot disagree with it (the deadlocks of
+hand-ordered sends and receives cannot happen). Tickets are issued before
+any action runs, so waiting for one never waits on another action.
+
+A failure on any worker stops every thread at its next wait and is raised
+from :meth:`StepRun.run`; the workers' state for that step (partial
+gradients) is then undefined: reload a checkpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import errors
+from ..codec import messages as m
+from ..codec.tensors import dtype_name
+from .stage import Delivery, Microbatch, StageRunner
+
+TICKET_TTL_S = 3600.0  # tickets of a step wait at most this long (the worker may cap it)
+
+
+class StepAborted(Exception):
+    """Another worker's thread failed: this one stops (the other failure is raised)."""
+
+
+@dataclass(frozen=True)
+class Edge:
+    """Output ``output`` of stage ``src`` is input ``position`` of stage ``dst``."""
+
+    src: int
+    output: int
+    dst: int
+    position: int
+
+
+@dataclass
+class Plan:
+    """What does not change between steps: stages, where they run, and the edges between them."""
+
+    runners: list[StageRunner]
+    placement: tuple[int, ...]  # stage -> worker index
+    urls: list[str]  # worker index -> URL other workers reach it at
+    edges: list[Edge] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for r in self.runners:
+            for pos, src in enumerate(r.graphs.inputs):
+                if src.kind == "stage":
+                    self.edges.append(Edge(src.stage, src.index, r.index, pos))
+
+    def remote(self, e: Edge) -> bool:
+        return self.placement[e.src] != self.placement[e.dst]
+
+    def grad_flows(self, e: Edge) -> bool:
+        """The backward of ``dst`` gives a gradient that the backward of ``src`` takes."""
+        return e.output in self.runners[e.src].graphs.tangent_of and self.runners[e.dst].has_grad(e.position)
+
+
+def _contiguous(shape) -> list[int]:
+    strides, n = [], 1
+    for d in reversed(shape):
+        strides.append(n)
+        n *= max(int(d), 1)
+    return strides[::-1]
+
+
+class StepRun:
+    """One ``pipe.step``: microbatches through the schedule on every worker."""
+
+    def __init__(self, plan: Plan, schedule, leaves: list[list], targets: list[list]) -> None:
+        self.plan = plan
+        self.schedule = schedule
+        self.leaves, self.targets = leaves, targets
+        self.n = len(leaves)
+        self.mbs = [[Microbatch() for _ in range(self.n)] for _ in plan.runners]
+        self.done: dict[tuple, threading.Event] = defaultdict(threading.Event)
+        self.tickets: dict[tuple, tuple[threading.Event, list]] = defaultdict(lambda: (threading.Event(), []))
+        self.losses: list[torch.Tensor | None] = [None] * self.n
+        self._lock = threading.Lock()
+        self.failure: BaseException | None = None
+        self.scale = None
+
+    # -------------------------------------------------------------- tickets
+    def _incoming(self, worker: int) -> dict[tuple, list[Edge]]:
+        """Transfers this worker receives per microbatch, grouped one ticket each:
+        ("F", src, dst) activations, ("B", dst, src) gradients."""
+        groups: dict[tuple, list[Edge]] = defaultdict(list)
+        for e in self.plan.edges:
+            if not self.plan.remote(e):
+                continue
+            if self.plan.placement[e.dst] == worker:
+                groups[("F", e.src, e.dst)].append(e)
+            if self.plan.placement[e.src] == worker and self.plan.grad_flows(e):
+                groups[("B", e.dst, e.src)].append(e)
+        return groups
+
+    def _issue_tickets(self, worker: int) -> None:
+        for (kind, frm, to), edges in self._incoming(worker).items():
+            runner = self.plan.runners[to]
+            for mb in range(self.n):
+                metas, hids = [], []
+                for e in edges:
+                    src = self.plan.runners[e.src].graphs
+                    dtype, shape, _ = src.output_meta[e.output]
+                    metas.append(m.TensorMeta(dtype_name(dtype), list(shape), _contiguous(shape), 0))
+                    hids.append(runner.client.handles.reserve(1))
+                ticket, _ = runner.conn.request(m.ExpectHandles(hids, metas, ttl_s=TICKET_TTL_S))
+                if not isinstance(ticket, m.TicketReply):
+                    raise errors.ProtocolError("worker answered a ticket request with the wrong reply")
+                slot = self.mbs[to][mb]
+                for e, hid in zip(edges, hids):
+                    runner.client.handles.seen(hid)
+                    if kind == "F":
+                        slot.inputs[e.position] = hid
+                    else:
+                        slot.tangents[e.output] = hid
+                event, box = self.tickets[(kind, frm, to, mb)]
+                box.append(ticket)
+                event.set()
+
+    def _deliveries(self, kind: str, stage: int, mb: int) -> list[Delivery]:
+        """What an action sends to other workers: one delivery per receiving stage, with its ticket."""
+        out: dict[int, list[Edge]] = defaultdict(list)
+        for e in self.plan.edges:
+            if not self.plan.remote(e):
+                continue
+            if kind == "F" and e.src == stage:
+                out[e.dst].append(e)
+            elif kind == "B" and e.dst == stage and self.plan.grad_flows(e):
+                out[e.src].append(e)
+        deliveries = []
+        for other, edges in sorted(out.items()):
+            event, box = self.tickets[(kind, stage, other, mb)]
+            self._wait(event)
+            outputs = [e.output if kind == "F" else e.position for e in edges]
+            deliveries.append(Delivery(outputs, self.plan.urls[self.plan.placement[other]], box[0]))
+        return deliveries
+
+    # -------------------------------------------------------------- actions
+    def _wait(self, event: threading.Event) -> None:
+        while not event.wait(0.05):
+            if self.failure is not None:
+                raise StepAborted()
+        if self.failure is not None:
+            raise StepAborted()
+
+    def _forward(self, stage: int, mb: int) -> None:
+        plan = self.plan
+        runner = plan.runners[stage]
+        for src in sorted({s.stage for s in runner.graphs.inputs if s.kind == "stage"}):
+            self._wait(self.done[("F", src, mb)])
+        sends = self._deliveries("F", stage, mb)
+        local = [e for e in plan.edges if e.src == stage and not plan.remote(e)]
+        loss, kept = runner.forward(self.mbs[stage][mb], self.leaves[mb], self.targets[mb], sends,
+                                    sorted({e.output for e in local}))
+        for e in local:
+            self.mbs[e.dst][mb].inputs[e.position] = kept[e.output]
+        if loss is not None:
+            self.losses[mb] = loss
+        self.done[("F", stage, mb)].set()
+
+    def _backward(self, stage: int, mb: int) -> None:
+        plan = self.plan
+        runner = plan.runners[stage]
+        self._wait(self.done[("F", stage, mb)])
+        for dst in sorted({e.dst for e in plan.edges if e.src == stage and plan.grad_flows(e)}):
+            self._wait(self.done[("B", dst, mb)])
+        sends = self._deliveries("B", stage, mb)
+        local = [e for e in plan.edges if e.dst == stage and not plan.remote(e) and plan.grad_flows(e)]
+        last = not runner.graphs.consumers
+        kept = runner.backward(self.mbs[stage][mb], self.scale if last else None, sends,
+                               sorted({e.position for e in local}))
+        for e in local:
+            self.mbs[e.src][mb].tangents[e.output] = kept[e.position]
+        self.done[("B", stage, mb)].set()
+
+    def _worker(self, worker: int, actions) -> None:
+        try:
+            self._issue_tickets(worker)
+            for a in actions:
+                if a.kind == "F":
+                    self._forward(a.stage, a.microbatch)
+                elif a.kind == "B":
+                    self._backward(a.stage, a.microbatch)
+                else:
+                    raise errors.InvalidRequestError(f"the pipeline runs F and B actions, not {a}")
+            for stage in {a.stage for a in actions}:
+                self.plan.runners[stage].conn.flush()  # released handles go now, not with next step
+        except StepAborted:
+            pass
+        except BaseException as exc:
+            with self._lock:
+                if self.failure is None:
+                    self.failure = exc
+
+    def run(self, start: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Run every worker's actions; the mean of the microbatches' losses."""
+        loss_meta = self.plan.runners[-1].graphs.output_meta[0]
+        self.scale = torch.tensor(1.0 / self.n, dtype=loss_meta[0])
+        threads = []
+        for w, actions in enumerate(self.schedule.order):
+            t = threading.Thread(target=self._worker, args=(w, actions), name=f"remotorch-pipe-{w}",
+                                 daemon=True)
+            threads.append(t)
+            t.start()
+        for t in threads:
+            t.join()
+        if self.failure is not None:
+            raise self.failure
+        if any(loss is None for loss in self.losses):
+            raise errors.ProtocolError("a microbatch's loss never came back")
+        return torch.stack([loss.detach().reshape(()) for loss in self.losses]).mean()
