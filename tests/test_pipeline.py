@@ -259,3 +259,12 @@ def test_split_errors_are_clear(pair):
         pipeline.Pipeline(model, ["layers.2"], session=pair, loss_fn=mse).step(torch.randn(8, 16),
                                                                                torch.randn(8, 16))
     assert pair.connections()[0].info(refresh=True)["name"] == "stage0"  # the workers keep serving
+
+
+def test_all_stages_on_one_worker(session, seeded):
+    """A session of one worker: every stage there, activations handed over as handles without moving."""
+    model = Blocks()
+    pipe, local, remote = train_both(model, ["layers.1", "layers.3"], session, schedule="1F1B")
+    assert remote == pytest.approx(local, rel=1e-5)
+    assert pipe.schedule.placement == (0, 0, 0)
+    assert session.stats()["values_moved"] == 0

@@ -61,6 +61,7 @@ class Pipeline:
         self.plan: Plan | None = None
         self._shapes = None
         self._optimizer: PipelineOptimizer | None = None
+        self.last_step: StepRun | None = None
 
     @property
     def num_stages(self) -> int:
@@ -141,7 +142,27 @@ class Pipeline:
             flat = [t for t in pytree.tree_leaves((args, target)) if isinstance(t, torch.Tensor)]
             leaves.append(flat[:n_args])
             targets.append(flat[n_args:])
-        return StepRun(self.plan, self.schedule, leaves, targets).run()
+        run = StepRun(self.plan, self.schedule, leaves, targets)
+        self.last_step = run
+        return run.run()
+
+    def last_timeline(self) -> dict:
+        """When each action of the last step ran, as the client saw it (request sent to reply read).
+
+        ``{"actions": [(worker, "0F1", start_s, end_s)], "total": s, "bubble_fraction": f}``, times
+        from the step's start; the bubble is the time workers spent without a request in flight
+        over workers x the step's duration (what :func:`~remotorch.pipeline.simulate.simulate`
+        predicts for the same schedule).
+        """
+        run = self.last_step
+        if run is None:
+            raise RuntimeError("no step has run yet")
+        total = run.ended - run.started
+        busy = sum(t1 - t0 for _, _, t0, t1 in run.timeline)
+        workers = self.schedule.workers
+        return {"actions": sorted((w, str(a), t0 - run.started, t1 - run.started)
+                                  for w, a, t0, t1 in run.timeline),
+                "total": total, "bubble_fraction": 1.0 - busy / (workers * total) if total > 0 else 0.0}
 
     # ---------------------------------------------------------- optimizer etc.
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **hyperparameters) -> PipelineOptimizer:

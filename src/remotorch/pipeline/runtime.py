@@ -21,6 +21,7 @@ gradients) is then undefined: reload a checkpoint.
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -95,6 +96,7 @@ class StepRun:
         self._lock = threading.Lock()
         self.failure: BaseException | None = None
         self.scale = None
+        self.timeline: list[tuple[int, object, float, float]] = []  # (worker, action, start, end), seconds
 
     # -------------------------------------------------------------- tickets
     def _incoming(self, worker: int) -> dict[tuple, list[Edge]]:
@@ -160,22 +162,24 @@ class StepRun:
         if self.failure is not None:
             raise StepAborted()
 
-    def _forward(self, stage: int, mb: int) -> None:
+    def _forward(self, stage: int, mb: int, ran: Callable[[float], None]) -> None:
         plan = self.plan
         runner = plan.runners[stage]
         for src in sorted({s.stage for s in runner.graphs.inputs if s.kind == "stage"}):
             self._wait(self.done[("F", src, mb)])
         sends = self._deliveries("F", stage, mb)
         local = [e for e in plan.edges if e.src == stage and not plan.remote(e)]
+        t0 = time.perf_counter()
         loss, kept = runner.forward(self.mbs[stage][mb], self.leaves[mb], self.targets[mb], sends,
                                     sorted({e.output for e in local}))
         for e in local:
             self.mbs[e.dst][mb].inputs[e.position] = kept[e.output]
         if loss is not None:
             self.losses[mb] = loss
+        ran(t0)
         self.done[("F", stage, mb)].set()
 
-    def _backward(self, stage: int, mb: int) -> None:
+    def _backward(self, stage: int, mb: int, ran: Callable[[float], None]) -> None:
         plan = self.plan
         runner = plan.runners[stage]
         self._wait(self.done[("F", stage, mb)])
@@ -184,22 +188,23 @@ class StepRun:
         sends = self._deliveries("B", stage, mb)
         local = [e for e in plan.edges if e.dst == stage and not plan.remote(e) and plan.grad_flows(e)]
         last = not runner.graphs.consumers
+        t0 = time.perf_counter()
         kept = runner.backward(self.mbs[stage][mb], self.scale if last else None, sends,
                                sorted({e.position for e in local}))
         for e in local:
             self.mbs[e.src][mb].tangents[e.output] = kept[e.position]
+        ran(t0)
         self.done[("B", stage, mb)].set()
 
     def _worker(self, worker: int, actions) -> None:
         try:
             self._issue_tickets(worker)
             for a in actions:
-                if a.kind == "F":
-                    self._forward(a.stage, a.microbatch)
-                elif a.kind == "B":
-                    self._backward(a.stage, a.microbatch)
-                else:
+                if a.kind not in ("F", "B"):
                     raise errors.InvalidRequestError(f"the pipeline runs F and B actions, not {a}")
+                run = self._forward if a.kind == "F" else self._backward
+                run(a.stage, a.microbatch, lambda t0, a=a: self.timeline.append(
+                    (worker, a, t0, time.perf_counter())))
             for stage in {a.stage for a in actions}:
                 self.plan.runners[stage].conn.flush()  # released handles go now, not with next step
         except StepAborted:
@@ -209,11 +214,12 @@ class StepRun:
                 if self.failure is None:
                     self.failure = exc
 
-    def run(self, start: Callable[[int], None] | None = None) -> torch.Tensor:
+    def run(self) -> torch.Tensor:
         """Run every worker's actions; the mean of the microbatches' losses."""
         loss_meta = self.plan.runners[-1].graphs.output_meta[0]
         self.scale = torch.tensor(1.0 / self.n, dtype=loss_meta[0])
         threads = []
+        self.started = time.perf_counter()
         for w, actions in enumerate(self.schedule.order):
             t = threading.Thread(target=self._worker, args=(w, actions), name=f"remotorch-pipe-{w}",
                                  daemon=True)
@@ -221,6 +227,7 @@ class StepRun:
             t.start()
         for t in threads:
             t.join()
+        self.ended = time.perf_counter()
         if self.failure is not None:
             raise self.failure
         if any(loss is None for loss in self.losses):
