@@ -205,7 +205,8 @@ def cmd_schedule(args: argparse.Namespace) -> int:
             return 0
         timeline = simulate(schedule, forward=args.forward, backward=args.backward, comm=args.comm)
     except (ScheduleError, OSError) as exc:
-        print(f"remotorch schedule: {exc}", file=sys.stderr)
+        where = f"{args.file}: " if args.file and not isinstance(exc, OSError) else ""
+        print(f"remotorch schedule: {where}{exc}", file=sys.stderr)
         return 2
     width = args.width
     if width is None and sys.stdout.isatty():

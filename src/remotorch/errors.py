@@ -22,7 +22,7 @@ Every failure that involves the worker surfaces as a subclass of
 Errors raised on the worker travel back as an ``ErrorReply`` whose ``kind``
 names one of these classes; :func:`from_reply` rebuilds the exception.
 
-Mistakes found on the client before anything is sent are ``ValueError``\ s:
+Mistakes found on the client before anything is sent are ``ValueError``s:
 
     ValueError
     └── ScheduleError                  a pipeline schedule that cannot run (bad text, counts, placement, deadlock)

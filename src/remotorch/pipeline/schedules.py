@@ -2,7 +2,7 @@
 
 A model is split into ``stages``; a batch into ``microbatches``. A
 :class:`Schedule` says, for every worker, the ordered list of
-:class:`Action`\\ s it executes (``"0F1"``: stage 0, forward, microbatch 1;
+actions (:class:`Action`) it executes (``"0F1"``: stage 0, forward, microbatch 1;
 ``"1B0"``: stage 1, full backward, microbatch 0) and, in ``placement``, which
 worker holds each stage. That is all the data there is: one interpreter runs
 any valid schedule, :func:`validate` and :mod:`~remotorch.pipeline.simulate`
@@ -91,7 +91,7 @@ class Schedule:
     actions worker ``w`` runs, in that order (there are no idle entries: a
     worker waits until its next action's dependencies are done). Lists and
     action texts given to the constructor are turned into tuples and
-    :class:`Action`\\ s. Construction checks nothing else: :func:`validate` does.
+    actions. Construction checks nothing else: :func:`validate` does.
     """
 
     name: str
@@ -353,8 +353,7 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1, workers: i
     if kind == "GPipe":
         order = [f + b for f, b in zip(forwards, backwards)]
     else:
-        rounds = max(1, microbatches // n_workers)
-        per_round = -(-microbatches // rounds)
+        per_round = _round_size(microbatches, n_workers)
         n_chunks = -(-stages // n_workers)
         hops = 2 if kind == "Interleaved1F1B" and n_chunks > 1 else 1
         caps = [(n_chunks - 1) * per_round + hops * (n_workers - 1 - w) + 1 for w in range(n_workers)]
@@ -380,6 +379,12 @@ def _workers(stages: int, microbatches: int, chunks: int, workers: int | None) -
     return workers
 
 
+def _round_size(microbatches: int, n_workers: int) -> int:
+    # microbatches per round through a worker's chunks: about W, in rounds of equal size (torch's choice)
+    rounds = max(1, microbatches // n_workers)
+    return -(-microbatches // rounds)
+
+
 def _sequences(placement: Sequence[int], n_workers: int,
                microbatches: int) -> tuple[list[list[Action]], list[list[Action]]]:
     """Per worker, its forwards and its backwards in the order it should run each kind.
@@ -391,8 +396,7 @@ def _sequences(placement: Sequence[int], n_workers: int,
     backwards) that respects the dependencies, so running all of a worker's
     forwards and then all its backwards can never deadlock.
     """
-    rounds = max(1, microbatches // n_workers)
-    per_round = -(-microbatches // rounds)
+    per_round = _round_size(microbatches, n_workers)
     forwards: list[list[Action]] = [[] for _ in range(n_workers)]
     backwards: list[list[Action]] = [[] for _ in range(n_workers)]
     for s, w in enumerate(placement):
