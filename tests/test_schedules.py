@@ -14,6 +14,8 @@ import sys
 from fractions import Fraction
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from remotorch.pipeline.chart import figures, render, write_png
 from remotorch.pipeline.schedules import Action, Schedule, ScheduleError, build, parse, validate
@@ -164,6 +166,68 @@ def test_timeline_to_dict_is_json():
     assert d["bubble_fraction"] == t.bubble_fraction and d["total"] == t.total
     assert d["peak_activations"] == [3, 3]
     assert d["spans"][1][0] == {"action": "1F0", "start": 1.0, "end": 2.0}
+
+
+def needs_of(action: str, stages: int) -> set[str]:
+    """The rules as documented, on action texts (single-digit stages)."""
+    s, kind, m = int(action[0]), action[1], int(action[2:])
+    if kind == "F":
+        return {f"{s - 1}F{m}"} if s else set()
+    return {f"{s}F{m}"} | ({f"{s + 1}B{m}"} if s + 1 < stages else set())
+
+
+def runs_to_the_end(s: Schedule) -> bool:
+    """The oracle: pop any worker's next action whose needs are done, until none can go on."""
+    done, lists = set(), [list(map(str, row)) for row in s.order]
+    progress = True
+    while progress:
+        progress = False
+        for row in lists:
+            while row and needs_of(row[0], s.stages) <= done:
+                done.add(row.pop(0))
+                progress = True
+    return not any(lists)
+
+
+@st.composite
+def random_schedules(draw):
+    """Per worker, a random order of its own actions, every backward after its forward. Half of them are
+    drawn as one random execution of the whole pipeline (so they run to the end), half shuffled freely
+    (mostly deadlocks)."""
+    stages = draw(st.integers(2, 5))
+    workers = draw(st.integers(1, stages))
+    microbatches = draw(st.integers(1, 4))
+    placement = tuple(s % workers for s in range(stages))
+    order = [[] for _ in range(workers)]
+    if draw(st.booleans()):
+        done, left = set(), {f"{s}{k}{m}" for s in range(stages) for k in "FB" for m in range(microbatches)}
+        while left:
+            ready = [a for a in sorted(left) if needs_of(a, stages) <= done]
+            a = ready[draw(st.integers(0, len(ready) - 1))]
+            order[placement[int(a[0])]].append(a)
+            done.add(a)
+            left.discard(a)
+    else:
+        for w in range(workers):
+            pending = [[f"{s}F{m}", f"{s}B{m}"] for s in range(w, stages, workers) for m in range(microbatches)]
+            while pending:
+                pair = pending[draw(st.integers(0, len(pending) - 1))]
+                order[w].append(pair.pop(0))
+                pending = [p for p in pending if p]
+    return Schedule("random", stages, microbatches, placement, order)
+
+
+@settings(max_examples=300, deadline=None)
+@given(random_schedules())
+def test_random_orders_are_valid_exactly_when_they_run_to_the_end(s):
+    if runs_to_the_end(s):
+        assert validate(s) is s
+        check_rules(simulate(s, forward=1.0, backward=2.0, comm=0.25), comm=0.25)
+    else:
+        with pytest.raises(ScheduleError, match="deadlock") as info:
+            validate(s)
+        e = info.value
+        assert str(s.order[e.worker][e.position]) == e.action
 
 
 # ---------------------------------------------------------------- text form and actions
