@@ -334,9 +334,9 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1, workers: i
     and ``build("1F1B", 3, 4, workers=2)`` puts stages 0 and 2 on worker 0.
 
     - GPipe: each worker runs all its forwards, then all its backwards.
-    - 1F1B: after a warm-up of forwards, a worker runs a backward as soon as
-      one is ready and holds at most ``W - w`` microbatches in flight (worker
-      ``w``), as in PipeDream-flush / Megatron-LM.
+    - 1F1B (PipeDream-flush): after a warm-up of forwards, worker ``w``
+      alternates one forward, one backward, holding at most ``W - w``
+      microbatches (more chunks per worker: ``(chunks - 1) * round`` more).
     - Interleaved1F1B: Megatron-LM's interleaved schedule; each worker's
       forwards go through its chunks in rounds of about ``W`` microbatches, with
       a warm-up of ``(chunks - 1) * round + 2 * (W - 1 - w)`` forwards. With
