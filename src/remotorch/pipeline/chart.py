@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .schedules import Action
 from .simulate import Timeline
 
 __all__ = ["figures", "render", "write_png"]
@@ -47,7 +48,7 @@ def render(timeline: Timeline, width: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def _cell(label: str, action, columns: int, narrowest: int) -> list[str]:
+def _cell(label: str, action: Action, columns: int, narrowest: int) -> list[str]:
     """What an action shows in its ``columns``: its label, the label without the stage, or its kind letter.
 
     The form is the fullest one that the chart's narrowest action has room
