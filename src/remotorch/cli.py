@@ -167,6 +167,64 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(engine=args.engine, device=args.device, repeats=args.repeats)
 
 
+def _costs(text: str) -> float | list[float]:
+    """A cost: one number for every stage, or comma-separated numbers, one per stage."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a cost: {text!r} (a number, or one per stage: 1,1.5,1)") from None
+    return values[0] if len(values) == 1 else values
+
+
+def _schedule(args: argparse.Namespace):
+    """The schedule the arguments name: built by name, or read from --file and validated."""
+    from .pipeline import schedules
+
+    if args.file:
+        if args.name:
+            raise schedules.ScheduleError("give a schedule name or --file, not both")
+        with open(args.file, encoding="utf-8") as f:
+            text = f.read()
+        return schedules.validate(schedules.parse(text, name=os.path.basename(args.file), stages=args.stages,
+                                                  microbatches=args.microbatches))
+    if not args.name or args.stages is None or args.microbatches is None:
+        raise schedules.ScheduleError("give a schedule name (one of " + ", ".join(schedules.SCHEDULES) +
+                                      ") with --stages and --microbatches, or --file FILE")
+    return schedules.build(args.name, args.stages, args.microbatches, chunks=args.chunks, workers=args.workers)
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    from .errors import ScheduleError
+    from .pipeline import chart
+    from .pipeline.simulate import simulate
+
+    try:
+        schedule = _schedule(args)
+        if args.text:
+            print(schedule.text())
+            return 0
+        timeline = simulate(schedule, forward=args.forward, backward=args.backward, comm=args.comm)
+    except (ScheduleError, OSError) as exc:
+        where = f"{args.file}: " if args.file and not isinstance(exc, OSError) else ""
+        print(f"remotorch schedule: {where}{exc}", file=sys.stderr)
+        return 2
+    width = args.width
+    if width is None and sys.stdout.isatty():
+        import shutil
+        width = max(20, shutil.get_terminal_size().columns - len(f"w{schedule.workers - 1} "))
+    print(chart.render(timeline, width=width or None))
+    print()
+    print(chart.figures(timeline))
+    if args.png:
+        try:
+            chart.write_png(timeline, args.png)
+        except (ImportError, OSError) as exc:
+            print(f"remotorch schedule: cannot write {args.png}: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.png}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="remotorch", description="Run PyTorch graphs on remote workers.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -236,6 +294,26 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("target", help="a script (path/to/script.py) or a callable (package.module:function)")
     explain.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     explain.set_defaults(fn=cmd_explain)
+
+    sched = sub.add_parser("schedule", help="build or read a pipeline schedule, chart its simulated timeline",
+                           description="Build a pipeline schedule (or read one written by hand with --file), "
+                                       "validate it, simulate it and chart the timeline with its figures.")
+    sched.add_argument("name", nargs="?", help="GPipe, 1F1B or Interleaved1F1B")
+    sched.add_argument("--stages", type=int, default=None, help="model stages")
+    sched.add_argument("--microbatches", type=int, default=None, help="microbatches per step")
+    sched.add_argument("--chunks", type=int, default=1, help="stages per worker (default 1)")
+    sched.add_argument("--workers", type=int, default=None, help="workers (default: stages / chunks); "
+                       "stage s runs on worker s %% workers")
+    sched.add_argument("--file", default=None, help="read a hand-written schedule: one line per worker, "
+                       "actions like 0F1 (stage 0, forward, microbatch 1) and 1B0 separated by spaces")
+    sched.add_argument("--forward", type=_costs, default=1.0, help="cost of a forward (or one per stage: 1,2,1)")
+    sched.add_argument("--backward", type=_costs, default=2.0, help="cost of a backward (or one per stage)")
+    sched.add_argument("--comm", type=float, default=0.0, help="cost of a hop between workers (default 0)")
+    sched.add_argument("--width", type=int, default=None,
+                       help="chart width in columns (default: the terminal's; unlimited when not a terminal)")
+    sched.add_argument("--png", default=None, metavar="FILE", help="also draw the timeline as a PNG (matplotlib)")
+    sched.add_argument("--text", action="store_true", help="print the schedule's text form instead")
+    sched.set_defaults(fn=cmd_schedule)
 
     demo = sub.add_parser("demo", help="run example models on the embedded worker")
     demo.add_argument("--engine", default="eager")

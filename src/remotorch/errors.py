@@ -21,6 +21,11 @@ Every failure that involves the worker surfaces as a subclass of
 
 Errors raised on the worker travel back as an ``ErrorReply`` whose ``kind``
 names one of these classes; :func:`from_reply` rebuilds the exception.
+
+Mistakes found on the client before anything is sent are ``ValueError``s:
+
+    ValueError
+    └── ScheduleError                  a pipeline schedule that cannot run (bad text, counts, placement, deadlock)
 """
 
 from __future__ import annotations
@@ -155,6 +160,23 @@ def from_reply(kind: str, message: str, traceback: str | None,
     if kind == MissingObjectsError.kind:
         return MissingObjectsError(message, graphs=graphs, tensors=tensors, remote_traceback=traceback)
     return _BY_KIND.get(kind, WorkerError)(message, remote_traceback=traceback)
+
+
+class ScheduleError(ValueError):
+    """A pipeline schedule that cannot run: bad text, wrong counts, a stage on the wrong worker, a deadlock.
+
+    Raised on the client, before any worker is asked to run anything. When
+    one action is at fault, ``worker``, ``position`` (index in that worker's
+    list) and ``action`` (its text, e.g. ``"1B0"``) name the first one.
+    """
+
+    def __init__(self, message: str, *, worker: int | None = None, position: int | None = None,
+                 action: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.worker = worker
+        self.position = position
+        self.action = action
 
 
 class RemoteFallbackWarning(RuntimeWarning):
