@@ -210,6 +210,28 @@ def test_onnx_runtime_without_a_translation_is_a_compile_failure_for_that_engine
     torch.testing.assert_close(eager(x, y), uses_scaled_add(x, y))
 
 
+def test_decompose_on_the_client_needs_no_flag_on_the_worker(session):
+    """custom_ops="decompose": an operator with a registered decomposition becomes aten operators
+    before upload, so a worker without --allow-ops runs the graph; without the option it is refused."""
+    from torch._decomp import global_decomposition_table, register_decomposition
+
+    op = torch.ops.rmtest_lib.scaled_add.default
+    register_decomposition(op)(lambda x, y, alpha: x + alpha * y)
+    try:
+        x, y = torch.randn(16), torch.randn(16)
+        decomposed = remotorch.compile(uses_scaled_add, session=session, fallback="raise", custom_ops="decompose")
+        torch.testing.assert_close(decomposed(x, y), uses_scaled_add(x, y))
+        assert session.stats()["remote_calls"] == 1
+        torch._dynamo.reset()
+        as_is = remotorch.compile(uses_scaled_add, session=session, fallback="raise")
+        with pytest.raises(UnsupportedGraphError, match="rmtest_lib::scaled_add.default.*--allow-ops rmtest_lib"):
+            as_is(x, y)
+    finally:
+        global_decomposition_table["post_autograd"].pop(op, None)
+    with pytest.raises(ValueError, match="custom_ops"):
+        remotorch.compile(uses_scaled_add, custom_ops="maybe")
+
+
 def test_embedded_worker_allows_what_the_environment_says(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", TESTS)
     monkeypatch.setenv("REMOTORCH_ALLOW_OPS", "rmtest_lib")
