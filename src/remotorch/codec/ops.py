@@ -118,7 +118,7 @@ def resolve_target(name: str, allowed: frozenset[str] = frozenset()):
         raise not_allowed(name, ns)
     if f"{ns}::{op}" in DENIED_OPS:
         raise UnsupportedGraphError(f"operation {ns}::{op} is not allowed on a worker")
-    if ns not in CORE_NAMESPACES and f"{ns}::{op}" not in _registered(ns):
+    if ns not in CORE_NAMESPACES and not _registered(f"{ns}::{op}", overload):
         raise UnsupportedGraphError(f"operation {name[:200]!r} does not exist on this worker "
                                     f"(no such operator is registered in namespace {ns!r})")
     try:
@@ -133,9 +133,13 @@ def resolve_target(name: str, allowed: frozenset[str] = frozenset()):
     return overload_fn
 
 
-def _registered(ns: str) -> set[str]:
-    prefix = f"{ns}::"
-    return {n for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix)}
+def _registered(qualified: str, overload: str) -> bool:
+    """Whether the dispatcher has this operator overload registered (one lookup, no scan)."""
+    try:
+        torch._C._dispatch_find_schema_or_throw(qualified, "" if overload == "default" else overload)
+    except RuntimeError:
+        return False
+    return True
 
 
 # ------------------------------------------------------------ what values are
