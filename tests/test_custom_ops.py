@@ -108,6 +108,18 @@ def test_moe_logits_equal_eager_on_a_worker_that_allows_transformers(ops_session
     assert ops_session.health()["allowed_ops"] == ["rmtest_lib", "transformers"]
 
 
+def test_moe_generate_with_dynamic_shapes_equals_eager(ops_session):
+    """Symbolic sizes flow into the operator's schema check; the KV cache stays on the worker."""
+    model = mixtral().eval()
+    ids = token_ids(batch=1, length=5)
+    want = model.generate(ids, max_new_tokens=6, do_sample=False)
+    model.forward = remotorch.compile(model.forward, session=ops_session, fallback="raise", dynamic=True)
+    got = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+    stats = ops_session.stats()
+    assert stats["fallbacks"] == 0 and stats["remote_calls"] == 6 and stats["graphs_uploaded"] <= 2
+
+
 def test_moe_training_step_with_remote_optimizer_equals_local(ops_session):
     """Forward runs grouped_mm_fallback, backward grouped_mm_fallback_backward (transformers'
     autograd registration), AdamW steps on the worker: parameters equal a local run."""
@@ -243,6 +255,11 @@ def test_embedded_worker_allows_what_the_environment_says(monkeypatch):
         compiled = remotorch.compile(uses_scaled_add, session=s, fallback="raise")
         x, y = torch.randn(4), torch.randn(4)
         torch.testing.assert_close(compiled(x, y), uses_scaled_add(x, y))
+
+
+def test_allow_ops_for_a_worker_at_a_url_is_refused(server):
+    with pytest.raises(ValueError, match="embedded worker"):
+        remotorch.Session(server.url, token=TOKEN, allow_ops=["transformers"])
 
 
 def test_embedded_worker_session_option(monkeypatch):

@@ -133,6 +133,9 @@ class Session:
         self._spin_s = (spin_us if spin_us is not None else env.spin_us) / 1e6
         self._embedded: EmbeddedWorker | None = None
         self._embedded_transport = env.embedded_transport
+        if (allow_ops or worker_imports) and None not in urls:
+            raise ValueError("allow_ops and worker_imports configure the embedded worker; a worker at a URL "
+                             "allows what its `remotorch serve --allow-ops` says")
         self._embedded_ops = (_names(allow_ops if allow_ops is not None else env.allow_ops),
                               _names(worker_imports if worker_imports is not None else env.worker_imports))
         self._lock = threading.Lock()
