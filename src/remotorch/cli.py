@@ -79,9 +79,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import torch
         torch.set_num_threads(args.threads)
     try:
+        from .worker.custom_ops import load_allowed
+
+        allow_ops = load_allowed(args.allow_ops or (), args.imports or ())
         engine_names = [e for e in args.engines.split(",") if e] if args.engines else None
         worker = Worker(args.device, name=args.name, price_per_hour=args.price_per_hour,
-                        engine_names=engine_names, limits=_limits(args))
+                        engine_names=engine_names, limits=_limits(args), allow_ops=allow_ops)
         tls = _tls(args)
     except (ValueError, OSError) as exc:
         print(f"remotorch serve: {exc}", file=sys.stderr)
@@ -100,7 +103,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server.shutdown()
         threading.Thread(target=watch, daemon=True).start()
     print(f"{READY_PREFIX}{server.url}", flush=True)
-    print(f"remotorch: worker {worker.name!r} on {worker.device}, engines: {', '.join(worker.engines)}",
+    allowed = f", custom operators: {', '.join(sorted(worker.allow_ops))}" if worker.allow_ops else ""
+    print(f"remotorch: worker {worker.name!r} on {worker.device}, engines: {', '.join(worker.engines)}{allowed}",
           file=sys.stderr, flush=True)
     try:
         server.serve_forever()
@@ -121,9 +125,12 @@ def cmd_health(args: argparse.Namespace) -> int:
             print(f"unhealthy: {args.url}: {type(exc).__name__}: {exc}")
             return 1
     print(f"healthy: {args.url}")
-    for key in ("name", "device", "torch_version", "engines", "protocol", "sessions", "price_per_hour"):
-        value = info[key]
-        print(f"  {key:14s} {', '.join(value) if isinstance(value, list) else value}")
+    for key in ("name", "device", "torch_version", "engines", "allowed_ops", "protocol", "sessions",
+                "price_per_hour"):
+        value = info.get(key, [])
+        if isinstance(value, list):
+            value = ", ".join(value) or "none"
+        print(f"  {key:14s} {value}")
     return 0
 
 
@@ -142,6 +149,8 @@ def cmd_backends(args: argparse.Namespace) -> int:
             print(f"{w['name']}  {w['url']}  device={w['device']}  ${w['price_per_hour']:g}/hour")
             for engine in w["engines"]:
                 print(f"  {w['name']}/{engine}")
+            if w.get("allowed_ops"):
+                print(f"  custom operators allowed: {', '.join(w['allowed_ops'])}")
     return 0
 
 
@@ -251,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated engines to offer, in order (default: all that load here); "
                             "debugging aids only by name: failing (refuses every graph), hold:SECONDS "
                             "(eager, then holds each answer that long)")
+    serve.add_argument("--allow-ops", default=None, metavar="NS[,NS…]",
+                       help="namespaces of library custom operators graphs may call, e.g. transformers,torchao "
+                            "(imports the library that registers each well-known one; only operators "
+                            "registered in this process run, never code from a client; see docs/security.md)")
+    serve.add_argument("--import", dest="imports", default=None, metavar="MODULE[,MODULE…]",
+                       help="modules to import at start-up that register custom operators "
+                            "(for namespaces --allow-ops names that remotorch does not know)")
     serve.add_argument("--exit-on-stdin-close", action="store_true", help=argparse.SUPPRESS)
     serve.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve tls:// (encrypted)")
     serve.add_argument("--tls-key", default=None, help="PEM private key (if not in --tls-cert)")

@@ -14,11 +14,18 @@ class EnvConfig:
     token: str | None
     spin_us: float = 0.0
     embedded_transport: str | None = None  # "unix" or "tcp" for the embedded worker (None: unix)
+    allow_ops: str | None = None  # custom-operator namespaces the embedded worker allows ("a,b")
+    worker_imports: str | None = None  # modules the embedded worker imports to register them ("m,n")
 
 
 def from_env() -> EnvConfig:
-    """``REMOTORCH_URL``, ``REMOTORCH_TOKEN``, ``REMOTORCH_SPIN_US`` and
-    ``REMOTORCH_EMBEDDED_TRANSPORT``, empty values counting as unset.
+    """``REMOTORCH_URL``, ``REMOTORCH_TOKEN``, ``REMOTORCH_SPIN_US``,
+    ``REMOTORCH_EMBEDDED_TRANSPORT``, ``REMOTORCH_ALLOW_OPS`` and
+    ``REMOTORCH_WORKER_IMPORTS``, empty values counting as unset.
+
+    The last two are for the embedded worker only (its ``--allow-ops`` and
+    ``--import``); ``remotorch serve`` takes them only as flags, so a worker
+    never trusts more than its command line says.
 
     A ``REMOTORCH_SPIN_US`` that is not a number >= 0 is a ``ValueError``
     naming the variable. ``REMOTORCH_TOKEN`` is also the default token of
@@ -33,4 +40,6 @@ def from_env() -> EnvConfig:
         raise ValueError(f"REMOTORCH_SPIN_US must be a number of microseconds >= 0, got {spin!r}") from None
     return EnvConfig(url=os.environ.get("REMOTORCH_URL") or None,
                      token=os.environ.get("REMOTORCH_TOKEN") or None, spin_us=spin_us,
-                     embedded_transport=os.environ.get("REMOTORCH_EMBEDDED_TRANSPORT") or None)
+                     embedded_transport=os.environ.get("REMOTORCH_EMBEDDED_TRANSPORT") or None,
+                     allow_ops=os.environ.get("REMOTORCH_ALLOW_OPS") or None,
+                     worker_imports=os.environ.get("REMOTORCH_WORKER_IMPORTS") or None)

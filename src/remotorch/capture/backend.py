@@ -5,6 +5,12 @@ to inputs; aot_autograd lowers it to functional aten graphs (forward, and
 backward when gradients are needed) and tells which inputs are static
 (parameters/buffers). Each aten graph becomes a :class:`RemoteGraph`:
 encoded once, uploaded once, its static inputs sent by content id.
+
+Library custom operators (``torch.ops.transformers.grouped_mm_fallback``…)
+stay in the aten graph by name; the worker runs them if it allows their
+namespace. With ``custom_ops="decompose"`` those that have a decomposition
+registered (``torch._decomp.register_decomposition``) are decomposed here,
+into aten operators any worker runs.
 """
 
 from __future__ import annotations
@@ -13,17 +19,20 @@ import functools
 
 import torch
 
+from ..codec.ops import CORE_NAMESPACES
 from ..errors import UnsupportedGraphError
 from .graph import FALLBACKS, RemoteGraph, output_devices
+
+CUSTOM_OPS = ("worker", "decompose")
 
 
 def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
                       engine: str = "eager", fallback: str = "local", worker: int | str | None = None,
-                      options: dict | None = None):
+                      custom_ops: str = "worker", options: dict | None = None):
     """Dynamo backend: run every captured graph on a remotorch worker.
 
     ``options`` (from ``torch.compile(..., options=...)``) may set
-    ``session``, ``engine``, ``fallback`` and ``worker``.
+    ``session``, ``engine``, ``fallback``, ``worker`` and ``custom_ops``.
     """
     from torch._dynamo.backends.common import aot_autograd
 
@@ -32,14 +41,32 @@ def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
     engine = opts.pop("engine", engine)
     fallback = opts.pop("fallback", fallback)
     worker = opts.pop("worker", worker)
+    custom_ops = opts.pop("custom_ops", custom_ops)
     if opts:
         raise ValueError(f"unknown remotorch backend options: {sorted(opts)}")
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    if custom_ops not in CUSTOM_OPS:
+        raise ValueError(f"custom_ops must be one of {CUSTOM_OPS}, got {custom_ops!r}")
     make = functools.partial(_compile_aten, session=session, engine=engine, fallback=fallback, worker=worker)
+    extra = {"decompositions": custom_decompositions()} if custom_ops == "decompose" else {}
     return aot_autograd(fw_compiler=functools.partial(make, static=True, kind="forward"),
                         inference_compiler=functools.partial(make, static=True),
-                        bw_compiler=functools.partial(make, static=False, kind="backward"))(gm, example_inputs)
+                        bw_compiler=functools.partial(make, static=False, kind="backward"),
+                        **extra)(gm, example_inputs)
+
+
+def custom_decompositions() -> dict:
+    """Decompositions registered for custom operators (not aten/prims), by operator overload.
+
+    Libraries (and users) register them with
+    ``torch._decomp.register_decomposition(op)``; an operator with a
+    CompositeImplicitAutograd kernel is decomposed by aot_autograd anyway.
+    """
+    from torch._decomp import global_decomposition_table
+
+    return {op: fn for op, fn in global_decomposition_table["post_autograd"].items()
+            if isinstance(op, torch._ops.OpOverload) and op.namespace not in CORE_NAMESPACES}
 
 
 def _static_indices(example_inputs) -> list[int]:
@@ -126,7 +153,7 @@ def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: 
 
 
 def compile(fn, *, session=None, engine: str = "eager", fallback: str = "local", dynamic: bool | None = None,
-            worker: int | str | None = None):
+            worker: int | str | None = None, custom_ops: str = "worker"):
     """``torch.compile`` with remotorch as the backend, with explicit control.
 
     ``engine`` is the worker-side engine (``"eager"``, ``"inductor"``);
@@ -136,9 +163,17 @@ def compile(fn, *, session=None, engine: str = "eager", fallback: str = "local",
     session's workers runs it (an index or a worker name; default the first):
     values one worker keeps move to another worker directly when its graphs
     take them.
+
+    ``custom_ops``: ``"worker"`` (default) sends library custom operators by
+    name, for a worker that allows their namespace (``remotorch serve
+    --allow-ops``) to run; ``"decompose"`` first decomposes those that have a
+    registered decomposition into aten operators, here
+    (``benchmarks/custom_ops.py`` measures both).
     """
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    if custom_ops not in CUSTOM_OPS:
+        raise ValueError(f"custom_ops must be one of {CUSTOM_OPS}, got {custom_ops!r}")
     backend = functools.partial(remotorch_backend, session=session, engine=engine, fallback=fallback,
-                                worker=worker)
+                                worker=worker, custom_ops=custom_ops)
     return torch.compile(fn, backend=backend, dynamic=dynamic)

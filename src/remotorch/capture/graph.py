@@ -22,7 +22,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..client.remote import fetch_all
 from ..codec.graph import GraphPayload
-from ..errors import RemoteError, RemoteFallbackWarning
+from ..codec.ops import refused
+from ..errors import RemoteError, RemoteFallbackWarning, UnsupportedGraphError
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,10 @@ class GraphRunner(Protocol):
 
     def note_fallback(self) -> None:
         """The graph ran locally."""
+
+    # Optional: ``allowed_ops(graph) -> frozenset[str]``, the namespaces of custom operators
+    # the graph's worker allows. A runner that has it lets a graph that calls others run
+    # locally (or raise) before anything is uploaded; one without it leaves that to the worker.
 
 
 class RemoteGraph:
@@ -90,14 +95,30 @@ class RemoteGraph:
             return self._fall_back(runner, args, self._unsupported, reached_worker=False)
         # aot_autograd analyses the first call under a dispatch mode that refuses tensor
         # subclasses; the runner's own local work (packing, placeholders) is not the graph's
+        refusal = None
         try:
-            if torch._C._len_torch_dispatch_stack():
-                with _disable_current_modes():
-                    return self._run(runner, args)
-            return self._run(runner, args)
+            refusal = self._refusal(runner) if self.payload.custom_ops else None
+            if refusal is None:
+                if torch._C._len_torch_dispatch_stack():
+                    with _disable_current_modes():
+                        return self._run(runner, args)
+                return self._run(runner, args)
         except RemoteError as exc:
             error = exc
+        if refusal is not None:  # a custom operator the worker does not allow: nothing was uploaded
+            return self._fall_back(runner, args, refusal, reached_worker=False)
         return self._fall_back(runner, args, error, reached_worker=True)
+
+    def _refusal(self, runner: GraphRunner) -> UnsupportedGraphError | None:
+        """Why the worker would refuse this graph's custom operators (None: it allows them all).
+
+        Asked before any upload, from the namespaces the worker's health
+        reply lists (one request per worker, remembered).
+        """
+        allowed_ops = getattr(runner, "allowed_ops", None)
+        if allowed_ops is None:
+            return None
+        return refused(self.payload.custom_ops, allowed_ops(self))
 
     def _run(self, runner: GraphRunner, args: list) -> list:
         for i in self.fetch_first:

@@ -84,9 +84,13 @@ def spawn_worker(args: Sequence[str] = (), *, env: Mapping[str, str] | None = No
         reader.join(0.05)
         deadline -= 0.05
     if not found:
-        if proc.poll() is None:
+        exited = proc.poll() is not None
+        if not exited:
             proc.kill()
         proc.wait()
+        if exited:  # it refused its arguments (e.g. --allow-ops): its stderr says why
+            raise WorkerUnavailableError(f"remotorch serve exited with code {proc.returncode} before serving "
+                                         f"(its standard error says why)")
         raise WorkerUnavailableError(f"remotorch serve did not start within {start_timeout:.0f}s "
                                      f"(exit code {proc.returncode})")
     return WorkerProcess(proc, found[0])
@@ -96,7 +100,8 @@ class EmbeddedWorker:
     """A worker process on this host, owned by this process."""
 
     def __init__(self, device: str = "auto", *, start_timeout: float = 120.0,
-                 transport: str | None = None, spin_us: float = 0.0) -> None:
+                 transport: str | None = None, spin_us: float = 0.0, allow_ops: Sequence[str] = (),
+                 imports: Sequence[str] = ()) -> None:
         self.token = secrets.token_hex(16)
         transport = transport or "unix"
         if transport not in ("unix", "tcp"):
@@ -115,15 +120,18 @@ class EmbeddedWorker:
                 "--threads", str(max(1, (os.cpu_count() or 2) // 2))]
         if spin_us:  # the session busy-polls for replies: the worker for requests, alike
             args += ["--spin-us", f"{spin_us:g}"]
+        if allow_ops:  # custom operators of these libraries (see remotorch serve --allow-ops)
+            args += ["--allow-ops", ",".join(allow_ops)]
+        if imports:
+            args += ["--import", ",".join(imports)]
         try:
             self._worker = spawn_worker(args, env=dict(os.environ, REMOTORCH_TOKEN=self.token,
                                                        PYTHONUNBUFFERED="1"),
                                         stdin=subprocess.PIPE, start_timeout=start_timeout)
-        except WorkerUnavailableError:
+        except WorkerUnavailableError as exc:
             if self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
-            raise WorkerUnavailableError(f"the embedded worker did not start within {start_timeout:.0f}s") \
-                from None
+            raise WorkerUnavailableError(f"the embedded worker did not start: {exc}") from None
         self._finalizer = weakref.finalize(self, _stop, self._worker.proc, self._dir)
         self.url = self._worker.url
 

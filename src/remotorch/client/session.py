@@ -94,6 +94,14 @@ class Session:
     launch does; the next read waits, and a failure is raised there, naming
     the graph.
 
+    ``allow_ops`` (default ``REMOTORCH_ALLOW_OPS``) lists namespaces of
+    library custom operators the *embedded* worker may run
+    (``["transformers"]``), with ``worker_imports`` (default
+    ``REMOTORCH_WORKER_IMPORTS``) naming modules it imports to register
+    namespaces remotorch does not know; a worker elsewhere allows what its
+    ``remotorch serve --allow-ops`` says. A graph calling an operator its
+    worker does not allow is never uploaded: it runs locally or raises.
+
     ``transport`` replaces the first worker's socket transport (an in-memory
     one in unit tests).
     """
@@ -107,7 +115,9 @@ class Session:
                  transport: Transport | None = None, retry_after: float = 1.0,
                  tokens: Mapping[str, str] | None = None, prices: Mapping[str, float] | None = None,
                  tls_ca: str | None = None, spin_us: float | None = None, keep_outputs: bool = True,
-                 keep_min_bytes: int = 1024, async_calls: bool = False) -> None:
+                 keep_min_bytes: int = 1024, async_calls: bool = False,
+                 allow_ops: str | Sequence[str] | None = None,
+                 worker_imports: str | Sequence[str] | None = None) -> None:
         env = from_env()
         urls = split_urls(url)
         if urls == [None]:
@@ -123,6 +133,11 @@ class Session:
         self._spin_s = (spin_us if spin_us is not None else env.spin_us) / 1e6
         self._embedded: EmbeddedWorker | None = None
         self._embedded_transport = env.embedded_transport
+        if (allow_ops or worker_imports) and None not in urls:
+            raise ValueError("allow_ops and worker_imports configure the embedded worker; a worker at a URL "
+                             "allows what its `remotorch serve --allow-ops` says")
+        self._embedded_ops = (_names(allow_ops if allow_ops is not None else env.allow_ops),
+                              _names(worker_imports if worker_imports is not None else env.worker_imports))
         self._lock = threading.Lock()
         self._closed = False
         self._fallbacks = 0
@@ -167,7 +182,8 @@ class Session:
                 raise errors.WorkerUnavailableError("session is closed")
             if self._embedded is None:
                 self._embedded = EmbeddedWorker(self.device, spin_us=self._spin_s * 1e6,
-                                                transport=self._embedded_transport)
+                                                transport=self._embedded_transport,
+                                                allow_ops=self._embedded_ops[0], imports=self._embedded_ops[1])
             return self._embedded.url, self._embedded.token
 
     @property
@@ -335,6 +351,16 @@ class Session:
     def note_fallback(self) -> None:
         """A graph ran locally instead (counted in ``stats()["fallbacks"]``)."""
         self._fallbacks += 1
+
+    def allowed_ops(self, graph: Graph) -> frozenset[str]:
+        """Namespaces of custom operators the graph's worker allows (from its health reply, asked once)."""
+        return frozenset(self.connection_for(graph.worker).info().get("allowed_ops") or ())
+
+
+def _names(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``"a,b"`` or ``["a", "b"]`` as a tuple of names."""
+    parts = value.split(",") if isinstance(value, str) else list(value or ())
+    return tuple(p.strip() for p in parts if p.strip())
 
 
 def _signature(args: Sequence) -> tuple:

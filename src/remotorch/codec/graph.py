@@ -1,19 +1,20 @@
 """Aten-level FX graphs as portable documents, and back.
 
 A document is plain msgpack data: a list of nodes whose call targets are
-*names* (``"aten::addmm.default"``, ``"op:getitem"``). Decoding resolves names
-only through :func:`resolve_target`'s allowlist (aten/prims OpOverloads minus
-a denylist, a fixed table of builtins) and rebuilds values only from a closed
-set of tags, so no bytes from the wire ever become code. Node names are
-assigned by the decoder, never taken from the document.
+*names* (``"aten::addmm.default"``, ``"op:getitem"``,
+``"transformers::grouped_mm_fallback.default"``). Decoding resolves names
+only through :func:`~remotorch.codec.ops.resolve_target` (aten/prims
+OpOverloads minus a denylist, a fixed table of builtins, and custom operators
+registered in the worker's process in namespaces it allows, their arguments
+checked against their schemas) and rebuilds values only from a closed set of
+tags, so no bytes from the wire ever become code. Node names are assigned by
+the decoder, never taken from the document.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import operator
-import re
 from dataclasses import dataclass, field
 
 import msgspec
@@ -23,66 +24,18 @@ import torch.fx
 from ..errors import UnsupportedGraphError
 from .messages import TensorMeta
 from .frames import FrameWriter
+from .ops import IDENT as _IDENT
+from .ops import (CORE_NAMESPACES, check_call, custom_ops, getitem_kind, output_kind,  # noqa: F401
+                  resolve_target, target_name)
 from .tensors import DTYPE_NAMES, dtype_from_name, dtype_name
 
 DOC_FORMAT = 1
 MAX_NODES = 200_000
 MAX_DEPTH = 8
 
-_BUILTINS: dict[str, object] = {
-    "op:getitem": operator.getitem, "op:add": operator.add, "op:sub": operator.sub,
-    "op:mul": operator.mul, "op:truediv": operator.truediv, "op:floordiv": operator.floordiv,
-    "op:mod": operator.mod, "op:pow": operator.pow, "op:neg": operator.neg,
-    "op:eq": operator.eq, "op:ne": operator.ne, "op:lt": operator.lt, "op:le": operator.le,
-    "op:gt": operator.gt, "op:ge": operator.ge, "op:and_": operator.and_, "op:or_": operator.or_,
-    "op:not_": operator.not_, "op:abs": operator.abs,
-    "math:ceil": math.ceil, "math:floor": math.floor, "math:sqrt": math.sqrt,
-    "torch:sym_float": torch.sym_float, "torch:sym_int": torch.sym_int,
-    "torch:sym_max": torch.sym_max, "torch:sym_min": torch.sym_min, "torch:sym_not": torch.sym_not,
-}
-_BUILTIN_NAMES = {id(fn): name for name, fn in _BUILTINS.items()}
-_OP_NAMESPACES = frozenset({"aten", "prims"})
-# Ops that reach outside the tensor world (files, process state) are refused
-# even though they live in aten.
-_DENIED_OPS = frozenset({"aten::from_file", "aten::_print", "aten::set_", "aten::_assert_async",
-                         "aten::save", "aten::_debug_has_internal_overlap"})
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-
 _LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo}
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
                    "preserve_format": torch.preserve_format, "channels_last_3d": torch.channels_last_3d}
-
-
-def target_name(target) -> str:
-    """The wire name of a call target, or UnsupportedGraphError if it is not allowlisted."""
-    if isinstance(target, torch._ops.OpOverload):
-        ns, _, op = target._schema.name.partition("::")
-        name = f"{ns}::{op}"
-        if ns in _OP_NAMESPACES and name not in _DENIED_OPS:
-            return f"{name}.{target._overloadname}"
-    elif id(target) in _BUILTIN_NAMES:
-        return _BUILTIN_NAMES[id(target)]
-    raise UnsupportedGraphError(f"operation {getattr(target, '__name__', target)!s} cannot run remotely")
-
-
-def resolve_target(name: str):
-    """Map a wire name back to a callable, through the allowlist only."""
-    if name in _BUILTINS:
-        return _BUILTINS[name]
-    qual, _, overload = name.rpartition(".")
-    ns, sep, op = qual.partition("::")
-    if not (sep and ns in _OP_NAMESPACES and _IDENT.match(op) and _IDENT.match(overload)):
-        raise UnsupportedGraphError(f"target {name[:200]!r} is not allowed")
-    if f"{ns}::{op}" in _DENIED_OPS:
-        raise UnsupportedGraphError(f"operation {ns}::{op} is not allowed on a worker")
-    try:
-        packet = getattr(getattr(torch.ops, ns), op)
-        overload_fn = getattr(packet, overload)
-    except (AttributeError, RuntimeError):
-        raise UnsupportedGraphError(f"operation {name[:200]!r} does not exist on this worker") from None
-    if not isinstance(overload_fn, torch._ops.OpOverload):
-        raise UnsupportedGraphError(f"target {name[:200]!r} is not an operator overload")
-    return overload_fn
 
 
 # ------------------------------------------------------------------------ encoding
@@ -127,6 +80,7 @@ class GraphPayload:
     doc: bytes
     consts: list[TensorMeta] = field(default_factory=list)
     const_frames: list[memoryview] = field(default_factory=list)
+    custom_ops: tuple[str, ...] = ()  # wire names of custom operators: the worker must allow their namespaces
 
 
 def encode_graph(gm: torch.fx.GraphModule) -> GraphPayload:
@@ -152,7 +106,8 @@ def encode_graph(gm: torch.fx.GraphModule) -> GraphPayload:
         else:
             raise UnsupportedGraphError(f"FX node kind {node.op} cannot run remotely")
     doc = msgspec.msgpack.encode({"format": DOC_FORMAT, "nodes": nodes})
-    return GraphPayload(graph_id(doc, consts, writer.frames), doc, consts, writer.frames)
+    ops = custom_ops(n["target"] for n in nodes if n["op"] == "call")
+    return GraphPayload(graph_id(doc, consts, writer.frames), doc, consts, writer.frames, ops)
 
 
 def graph_id(doc: bytes, consts: list[TensorMeta], frames) -> str:
@@ -178,6 +133,7 @@ class DecodedGraph:
 
     module: torch.fx.GraphModule
     inputs: list[dict]  # placeholder metas, in argument order
+    custom_ops: tuple[str, ...] = ()  # wire names of the custom operators it calls
 
 
 def _decode_value(v, env: dict[str, torch.fx.Node], device: torch.device, depth: int = 0):
@@ -219,8 +175,14 @@ def _input_meta(spec: dict, i: int) -> dict:
     return {"kind": kind, "dtype": dtype, "shape": shape}
 
 
-def decode_graph(doc: bytes, consts: list[torch.Tensor], device: torch.device) -> DecodedGraph:
-    """Rebuild a GraphModule from a document; every failure is UnsupportedGraphError."""
+def decode_graph(doc: bytes, consts: list[torch.Tensor], device: torch.device,
+                 allowed_ops: frozenset[str] = frozenset()) -> DecodedGraph:
+    """Rebuild a GraphModule from a document; every failure is UnsupportedGraphError.
+
+    ``allowed_ops``: namespaces of custom operators this worker allows
+    (``remotorch serve --allow-ops``); their calls are checked against the
+    operators' schemas here, before anything runs.
+    """
     try:
         data = msgspec.msgpack.decode(doc)
     except msgspec.DecodeError as exc:
@@ -232,6 +194,7 @@ def decode_graph(doc: bytes, consts: list[torch.Tensor], device: torch.device) -
         raise UnsupportedGraphError("graph document has no valid node list")
     graph, root = torch.fx.Graph(), torch.nn.Module()
     env: dict[str, torch.fx.Node] = {}
+    kinds: dict[torch.fx.Node, object] = {}  # what each node produces (see codec/ops.py)
     inputs: list[dict] = []
     saw_output = False
     for i, spec in enumerate(nodes):
@@ -241,25 +204,18 @@ def decode_graph(doc: bytes, consts: list[torch.Tensor], device: torch.device) -
         if op == "placeholder":
             if len(inputs) != len(env):
                 raise UnsupportedGraphError("placeholders must come first")
-            env[f"v{i}"] = graph.placeholder(f"arg{len(inputs)}")
+            node = env[f"v{i}"] = graph.placeholder(f"arg{len(inputs)}")
             inputs.append(_input_meta(spec, i))
+            kinds[node] = {"tensor": "tensor", "scalar": "scalar"}.get(inputs[-1]["kind"], "unknown")
         elif op == "call":
-            target = resolve_target(str(spec.get("target")))
-            args = _decode_value(spec.get("args", []), env, device)
-            kwargs = spec.get("kwargs", {})
-            if not isinstance(args, list) or not isinstance(kwargs, dict):
-                raise UnsupportedGraphError(f"graph node {i} has malformed arguments")
-            kw = {str(k): _decode_value(x, env, device) for k, x in kwargs.items()
-                  if isinstance(k, str) and _IDENT.match(k)}
-            if len(kw) != len(kwargs):
-                raise UnsupportedGraphError(f"graph node {i} has a malformed keyword")
-            env[f"v{i}"] = graph.call_function(target, tuple(args), kw)
+            env[f"v{i}"] = _decode_call(graph, spec, i, env, device, allowed_ops, kinds)
         elif op == "const":
             idx = spec.get("index")
             if not isinstance(idx, int) or not 0 <= idx < len(consts):
                 raise UnsupportedGraphError(f"graph node {i} names a missing constant")
             root.register_buffer(f"c{idx}", consts[idx].to(device), persistent=False)
-            env[f"v{i}"] = graph.get_attr(f"c{idx}")
+            node = env[f"v{i}"] = graph.get_attr(f"c{idx}")
+            kinds[node] = "tensor"
         elif op == "output":
             graph.output(_decode_value(spec.get("args"), env, device))
             saw_output = True
@@ -272,4 +228,29 @@ def decode_graph(doc: bytes, consts: list[torch.Tensor], device: torch.device) -
         module = torch.fx.GraphModule(root, graph)
     except Exception as exc:  # lint/codegen reject structurally broken graphs
         raise UnsupportedGraphError(f"graph document is inconsistent: {exc}") from None
-    return DecodedGraph(module, inputs)
+    used = custom_ops(target_name(n.target) for n in graph.nodes
+                      if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload))
+    return DecodedGraph(module, inputs, used)
+
+
+def _decode_call(graph: torch.fx.Graph, spec: dict, i: int, env: dict, device: torch.device,
+                 allowed: frozenset[str], kinds: dict) -> torch.fx.Node:
+    """One ``call`` node: its target resolved, its arguments decoded (and, for a custom
+    operator, checked against the schema), what it produces noted in ``kinds``."""
+    target = resolve_target(str(spec.get("target")), allowed)
+    args = _decode_value(spec.get("args", []), env, device)
+    kwargs = spec.get("kwargs", {})
+    if not isinstance(args, list) or not isinstance(kwargs, dict):
+        raise UnsupportedGraphError(f"graph node {i} has malformed arguments")
+    kw = {str(k): _decode_value(x, env, device) for k, x in kwargs.items()
+          if isinstance(k, str) and _IDENT.match(k)}
+    if len(kw) != len(kwargs):
+        raise UnsupportedGraphError(f"graph node {i} has a malformed keyword")
+    if isinstance(target, torch._ops.OpOverload) and target.namespace not in CORE_NAMESPACES:
+        check_call(target, tuple(args), kw, kinds)
+    node = graph.call_function(target, tuple(args), kw)
+    if target is operator.getitem and len(args) == 2 and isinstance(args[0], torch.fx.Node):
+        kinds[node] = getitem_kind(kinds.get(args[0], "unknown"), args[1])
+    else:
+        kinds[node] = output_kind(target)
+    return node

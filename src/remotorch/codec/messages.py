@@ -175,6 +175,7 @@ class HealthReply(msgspec.Struct, frozen=True, tag="health_reply", omit_defaults
     cached_bytes: int = 0  # objects no session holds, kept for re-use (evicted first)
     price_per_hour: float = 0.0  # $ per hour (``remotorch serve --price-per-hour``), for cost reports
     connections: int = 0  # connections that have sent a request and are open now
+    allowed_ops: list[str] = []  # namespaces of custom operators graphs may call (``serve --allow-ops``)
 
 
 class Ok(msgspec.Struct, frozen=True, tag="ok", omit_defaults=True):

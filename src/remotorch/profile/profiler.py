@@ -27,6 +27,7 @@ from ..client import default_session
 from ..client.connection import unpack_outputs
 from ..codec import messages as m
 from ..codec.graph import decode_graph
+from ..codec.ops import namespace
 from ..codec.tensors import tensor_from_wire
 from .context import activate_profiler, deactivate_profiler
 from .records import BackendRun, CallRecord, GraphCall, ProfilePlan
@@ -221,7 +222,8 @@ class Profiler:
                 p = graph.payload
                 consts = [tensor_from_wire(meta, frame).clone() for meta, frame in zip(p.consts, p.const_frames)]
                 device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-                module = decode_graph(p.doc, consts, device).module
+                own_ops = frozenset(namespace(name) for name in p.custom_ops)  # registered here: we traced them
+                module = decode_graph(p.doc, consts, device, own_ops).module
                 self._references[graph.graph_id] = module
             with torch.no_grad():
                 out = module(*args)

@@ -125,7 +125,7 @@ class Worker:
 
     def __init__(self, device: str | torch.device = "auto", *, name: str = "worker",
                  limits: Limits = Limits(), price_per_hour: float = 0.0,
-                 engine_names: list[str] | None = None) -> None:
+                 engine_names: list[str] | None = None, allow_ops: frozenset[str] = frozenset()) -> None:
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.name = name
         self.price_per_hour = price_per_hour  # $ per hour of this worker, for cost reports
@@ -140,6 +140,8 @@ class Worker:
         self._graphs = SharedStore(limits.cache_bytes)
         self._tensors = SharedStore(limits.cache_bytes)
         self.training = TrainingState(self.device)
+        # namespaces of custom operators graphs may call (registered here: see worker/custom_ops.py)
+        self.allow_ops = frozenset(allow_ops)
 
     # ------------------------------------------------------------------ sessions
     def close_session(self, session: object) -> None:
@@ -153,7 +155,7 @@ class Worker:
                 "engines": list(self.engines),
                 "resident_bytes": self._tensors.total_bytes + self.training.total_bytes(),
                 "cached_bytes": self._tensors.orphan_bytes + self._graphs.orphan_bytes,
-                "price_per_hour": self.price_per_hour}
+                "price_per_hour": self.price_per_hour, "allowed_ops": sorted(self.allow_ops)}
 
     def memory(self) -> dict:
         """Bytes held by sessions and cached for nobody, per store (graphs count documents and constants)."""
@@ -199,7 +201,7 @@ class Worker:
                 return
             reader = self.reader(frames)
             tensors = [reader.tensor(meta) for meta in consts]
-            decoded = decode_graph(doc, tensors, self.device)
+            decoded = decode_graph(doc, tensors, self.device, self.allow_ops)
             self._graphs.put(session, gid, _Graph.build(decoded), size)
 
     def put_tensors(self, session: object, ids: list[str], metas: list[TensorMeta], frames) -> None:

@@ -7,14 +7,26 @@ execution provider with the worker's thread count; CUDA workers use the CUDA
 execution provider when the installed ONNX Runtime has it. A graph the
 exporter or ONNX Runtime cannot take raises here, which the worker reports as
 a compile failure for this engine only.
+
+Custom operators (of namespaces the worker allows) export through the ONNX
+translations their library ships, where :data:`TRANSLATIONS` knows one
+(transformers translates its ``grouped_mm_fallback``); for others the export
+fails and so does this engine, for that graph.
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
 import warnings
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
+
+# Namespace -> (module, attribute) of the translation table its library ships: OpOverload -> onnxscript function.
+TRANSLATIONS = {"transformers": ("transformers.exporters.exporter_onnx", "_ONNX_TRANSLATION_TABLE")}
 
 
 def _providers() -> list[str]:
@@ -38,7 +50,8 @@ def compile(graph, device: torch.device, example_args):
         warnings.simplefilter("ignore")
         try:
             program = torch.onnx.export(module, tuple(example_args), dynamo=True, dynamic_shapes=dynamic,
-                                        verbose=False, report=False)
+                                        verbose=False, report=False,
+                                        custom_translation_table=_translations(graph.custom_ops) or None)
         except Exception as exc:  # the exporter's own message is pages long: name the root cause
             root = exc
             while root.__cause__ is not None:
@@ -62,6 +75,24 @@ def compile(graph, device: torch.device, example_args):
     if len(got) != len(expected if isinstance(expected, (list, tuple)) else [expected]):
         raise ValueError("the ONNX model's outputs do not match the graph's outputs")
     return run
+
+
+def _translations(custom_ops) -> dict:
+    """ONNX translations of the graph's custom operators that their libraries ship (only theirs:
+    a library's table may also override aten operators, which stay torch's own here)."""
+    table = {}
+    for ns in sorted({name.partition("::")[0] for name in custom_ops}):
+        where = TRANSLATIONS.get(ns)
+        if where is None:
+            continue
+        try:
+            found = getattr(importlib.import_module(where[0]), where[1])
+        except Exception:  # no translations installed: the export names the operator it lacks
+            log.debug("no ONNX translations from %s", where[0], exc_info=True)
+            continue
+        table.update({op: fn for op, fn in found.items()
+                      if isinstance(op, torch._ops.OpOverload) and op.namespace == ns})
+    return table
 
 
 class OnnxExportError(RuntimeError):
