@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import math
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -50,6 +51,7 @@ class WorkerActor:
         self.incarnation = os.urandom(8).hex()  # differs on each start, even if a port is reused
         self.host = host or _node_ip()
         self._stopping = False
+        self._exited = threading.Event()  # set by the watchdog, the one thread that waits for the worker
         self._stderr: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES)
         args = ["--host", self.host, "--port", "0", "--name", name, "--device", device,
                 "--threads", str(max(1, math.ceil(threads))), "--exit-on-stdin-close", *serve_args]
@@ -70,11 +72,13 @@ class WorkerActor:
             reader.join(0.05)
         if found:
             return found[0]
+        timed_out = self._proc.poll() is None
         self._end(kill=True)
         time.sleep(0.1)  # let the stderr reader take the last lines
         said = "\n".join(self._stderr).strip() or "(nothing on stderr)"
-        raise RuntimeError(f"remotorch serve did not start on {self.host} within {timeout:.0f}s "
-                           f"(exit code {self._proc.returncode}):\n{said}")
+        why = (f"exited with code {self._proc.returncode}" if not timed_out
+               else f"did not serve within {timeout:.0f}s")
+        raise RuntimeError(f"remotorch serve {why} on {self.host}; its last words:\n{said}")
 
     def _read_stdout(self, found: list[str]) -> None:
         for line in self._proc.stdout:  # type: ignore[union-attr]
@@ -91,6 +95,7 @@ class WorkerActor:
 
     def _watchdog(self) -> None:
         self._proc.wait()
+        self._exited.set()
         if not self._stopping:
             sys.stderr.write(f"remotorch worker {self.name} exited (code {self._proc.returncode}); "
                              "ending its actor so that Ray restarts it\n")
@@ -99,16 +104,28 @@ class WorkerActor:
 
     # ------------------------------------------------------------------ queries
     def info(self) -> dict:
-        """Where the worker serves and who runs it; raises if the worker has just died."""
-        if self._proc.poll() is not None and not self._stopping:
-            raise RuntimeError(f"remotorch worker {self.name} exited (code {self._proc.returncode})")
+        """Where the worker serves and who runs it; raises if the worker has just died (this actor
+        is then about to end, and Ray to restart it)."""
+        alive = self.alive()
+        if not alive and not self._stopping:
+            raise RuntimeError(f"remotorch worker {self.name} exited")
         return dict(index=self.index, name=self.name, url=self.url, host=self.host,
                     incarnation=self.incarnation, pid=self._proc.pid, actor_pid=os.getpid(),
-                    alive=self._proc.poll() is None, node_id=_node_id(), gpu_ids=_gpu_ids())
+                    alive=alive, node_id=_node_id(), gpu_ids=_gpu_ids())
+
+    def alive(self) -> bool:
+        """The worker runs and still listens.
+
+        Its listening socket is the sure sign: a process being killed closes
+        its sockets (and its clients see that) before its state says it
+        exited, and ``Popen.poll()`` answers None while another thread (the
+        watchdog) waits on the process.
+        """
+        return not self._exited.is_set() and _running(self._proc.pid) and _listening(self.url)
 
     def watch(self) -> str:
         """Return (with this start's incarnation) when the worker exits; the cluster keeps one waiting."""
-        self._proc.wait()
+        self._exited.wait()
         return self.incarnation
 
     # ------------------------------------------------------------------ stop
@@ -139,6 +156,26 @@ def _worker_env(token: str | None) -> dict[str, str]:
     if token:
         env["REMOTORCH_TOKEN"] = token
     return env
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux): the watchdog's word alone
+        return True
+
+
+def _listening(url: str) -> bool:
+    """Something accepts TCP connections at the worker's ``tcp://`` or ``tls://`` URL (closed at once)."""
+    host, _, port = url.split("://", 1)[1].rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5.0).close()
+    except OSError:
+        return False
+    return True
 
 
 def _node_ip() -> str:

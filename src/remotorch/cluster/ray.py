@@ -201,8 +201,8 @@ class RayCluster:
                 except ray.exceptions.GetTimeoutError:
                     last[i] = f"no answer within {timeout:.0f}s"
                 except ray.exceptions.ActorDiedError as exc:
-                    raise WorkerUnavailableError(f"worker ray-{i}'s actor is dead "
-                                                 f"(cluster.restart({i}) starts a new one): {_cause(exc)}") from None
+                    hint = f" (cluster.restart({i}) starts a new one)" if self._started else ""
+                    raise WorkerUnavailableError(f"worker ray-{i}'s actor is dead{hint}: {_cause(exc)}") from None
                 except ray.exceptions.RayError as exc:  # its worker died a moment ago: it restarts
                     last[i] = _cause(exc)
             if len(infos) == len(indices):
@@ -259,6 +259,8 @@ class RayCluster:
             infos = self._read_infos(range(self.num_workers), timeout or self.start_timeout)
             changed = [i for i, (old, new) in enumerate(zip(self._infos, infos))
                        if old["incarnation"] != new["incarnation"]]
+            log.debug("refresh: incarnations %s -> %s", [x["incarnation"] for x in self._infos],
+                      [x["incarnation"] for x in infos])
             self._infos = infos
             for i in changed:
                 self._watches[i] = self._actors[i].watch.remote()
@@ -338,16 +340,15 @@ def _kill(ray, handle) -> None:
         log.debug("killing a worker actor: %s", exc)
 
 
-def _cause(exc: BaseException) -> str:
-    """The last line of a Ray error worth showing (Ray's messages are long)."""
-    text = str(exc).strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    for marker in ("RuntimeError: ", "remotorch serve"):
-        hits = [ln for ln in lines if marker in ln]
-        if hits:
-            start = lines.index(hits[0])
-            return "\n".join(lines[start:start + 12])
-    return lines[0] if lines else type(exc).__name__
+def _cause(exc: BaseException, keep: int = 16) -> str:
+    """What a Ray error says, without Ray's own context lines (the worker's last words come last)."""
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip() and "ray::" not in ln]
+    first = next((i for i, ln in enumerate(lines) if "RuntimeError: " in ln), None)
+    if first is None:
+        return lines[0] if lines else type(exc).__name__
+    head = lines[first][lines[first].index("RuntimeError: ") + len("RuntimeError: "):]
+    rest = lines[first + 1:]
+    return "\n".join([head, *(["…"] if len(rest) > keep else []), *rest[-keep:]])
 
 
 def _probe(url: str, token: str, timeout: float) -> dict:
