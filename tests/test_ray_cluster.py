@@ -127,6 +127,29 @@ def test_a_value_kept_on_worker_0_moves_to_worker_1_inside_the_cluster(cluster):
     torch.testing.assert_close(z, (torch.sin(x) * 2).cos() + 1)
 
 
+def test_a_sigkilled_actor_takes_its_worker_along_and_comes_back(cluster):
+    """(The module's cluster, last: it leaves with fresh workers.)"""
+    c = cluster
+    old, s = c.workers[0], c.session
+    os.kill(old["actor_pid"], signal.SIGKILL)
+    assert wait_until(lambda: not running(old["pid"]), timeout=30), "the worker outlived its actor"
+    # the cluster notices by itself: the next .session after Ray reports the death is a new one
+    assert wait_until(lambda: c.session is not s, timeout=120)
+    assert c.refresh() is False  # already up to date
+    assert c.workers[0]["actor_pid"] != old["actor_pid"] and running(c.workers[0]["pid"])
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(compile_raise(torch.exp, c.session, worker=0)(x), torch.exp(x))
+    replaced = c.restart(1)  # a fresh actor in place of worker 1
+    assert replaced["url"] == c.urls[1] and running(replaced["pid"])
+    with torch.no_grad():
+        torch.testing.assert_close(compile_raise(torch.exp, c.session, worker=1)(x), torch.exp(x))
+    pids = [w["pid"] for w in c.workers] + [w["actor_pid"] for w in c.workers]
+    assert all(running(p) for p in pids)
+
+
+
+
 # ------------------------------------------------------------------ boundaries
 def test_a_wrong_token_is_refused_and_the_workers_keep_serving(cluster):
     for url in cluster.urls:
@@ -160,6 +183,7 @@ def test_a_worker_that_cannot_start_is_a_typed_error_and_leaves_nothing(ray_loca
 
 # ------------------------------------------------------------------ failures and restarts
 def test_a_killed_worker_is_a_typed_error_then_ray_restarts_it_and_the_session_is_renewed(ray_local):
+    before = cluster_serve_processes()
     with RayCluster(num_workers=2, max_restarts=2, **HALF) as c:
         s = c.session
         assert c.session is s  # nothing changed: the same session
@@ -168,10 +192,10 @@ def test_a_killed_worker_is_a_typed_error_then_ray_restarts_it_and_the_session_i
             torch.testing.assert_close(compile_raise(torch.tanh, s, worker=1)(x), torch.tanh(x))
             old, first = c.workers[1], c.workers[0]
             os.kill(old["pid"], signal.SIGKILL)
-            with pytest.raises(errors.WorkerUnavailableError):
+            with pytest.raises(errors.WorkerUnavailableError) as raised:
                 compile_raise(lambda t: t * 3, s, worker=1)(x)
             changed = c.refresh()  # waits for Ray to restart the actor; re-reads the URLs
-            assert changed is True, (old, c.workers[1], running(old["pid"]))
+            assert changed is True, (old, c.workers[1], running(old["pid"]), str(raised.value))
             fresh = c.session  # a session over the new set
             assert fresh is not s and s.closed
             new = c.workers[1]
@@ -181,37 +205,10 @@ def test_a_killed_worker_is_a_typed_error_then_ray_restarts_it_and_the_session_i
             torch.testing.assert_close(compile_raise(lambda t: t * 3, fresh, worker=1)(x), x * 3)
             torch.testing.assert_close(compile_raise(lambda t: t - 1, fresh, worker=0)(x), x - 1)
         seen = [old["pid"], new["pid"], c.workers[0]["pid"]]
-    assert not any(running(p) for p in seen)
-    assert ray_local.is_initialized()  # the fixture's Ray: used, not shut down
-
-
-def test_a_sigkilled_actor_takes_its_worker_along_and_comes_back(ray_local):
-    with RayCluster(num_workers=2, max_restarts=1, **HALF) as c:
-        old, s = c.workers[0], c.session
-        os.kill(old["actor_pid"], signal.SIGKILL)
-        assert wait_until(lambda: not running(old["pid"]), timeout=30), "the worker outlived its actor"
-        # the cluster notices by itself: the next .session after Ray reports the death is a new one
-        assert wait_until(lambda: c.session is not s, timeout=120)
-        assert c.refresh() is False  # already up to date
-        assert c.workers[0]["actor_pid"] != old["actor_pid"] and running(c.workers[0]["pid"])
-        x = torch.randn(4, 4)
-        with torch.no_grad():
-            torch.testing.assert_close(compile_raise(torch.exp, c.session, worker=0)(x), torch.exp(x))
-        replaced = c.restart(1)  # a fresh actor in place of worker 1
-        assert replaced["url"] == c.urls[1] and running(replaced["pid"])
-        with torch.no_grad():
-            torch.testing.assert_close(compile_raise(torch.exp, c.session, worker=1)(x), torch.exp(x))
-        pids = [w["pid"] for w in c.workers] + [w["actor_pid"] for w in c.workers]
-    assert wait_until(lambda: not any(running(p) for p in pids), timeout=30)
-
-
-def test_on_exit_no_remotorch_serve_process_remains(ray_local):
-    before = cluster_serve_processes()
-    with RayCluster(num_workers=2, **HALF) as c:
-        mine = [w["pid"] for w in c.workers]
-        assert set(mine) <= set(cluster_serve_processes())
-    assert not any(running(p) for p in mine)  # stopped before __exit__ returned
+        assert set(seen[1:]) <= set(cluster_serve_processes())
+    assert not any(running(p) for p in seen)  # stopped before __exit__ returned: no remotorch serve remains
     assert cluster_serve_processes() == before
+    assert ray_local.is_initialized()  # the fixture's Ray: used, not shut down
 
 
 # ------------------------------------------------------------------ as a user runs it

@@ -39,6 +39,8 @@ import time
 # the first line ``remotorch serve`` prints (remotorch.client.embedded.READY_PREFIX; a test keeps them equal)
 READY_PREFIX = "remotorch: serving on "
 _STDERR_LINES = 40  # how much of a failed worker's stderr an error quotes
+_PF_EXITING = 0x4  # Linux task flag: the process is exiting (field 9 of /proc/PID/stat)
+_SIGKILL_BIT = 1 << 8  # signal 9 in the pending masks of /proc/PID/status
 
 
 class WorkerActor:
@@ -159,13 +161,23 @@ def _worker_env(token: str | None) -> dict[str, str]:
 
 
 def _running(pid: int) -> bool:
+    """The process exists and is not on its way out: not a zombie, not exiting, no SIGKILL pending.
+
+    A killed process can take a while to die (freeing its memory comes
+    before closing its sockets), and meanwhile the kernel still completes
+    connections to its listening socket.
+    """
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/status") as f:
+            pending = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
     except FileNotFoundError:
         return False
-    except OSError:  # no /proc (not Linux): the watchdog's word alone
+    except (OSError, IndexError, ValueError):  # no /proc (not Linux): the watchdog's word alone
         return True
+    exiting = int(fields[6]) & _PF_EXITING
+    return fields[0] not in ("Z", "X") and not exiting and not any(p & _SIGKILL_BIT for p in pending)
 
 
 def _listening(url: str) -> bool:

@@ -262,8 +262,11 @@ class RayCluster:
             log.debug("refresh: incarnations %s -> %s", [x["incarnation"] for x in self._infos],
                       [x["incarnation"] for x in infos])
             self._infos = infos
-            for i in changed:
-                self._watches[i] = self._actors[i].watch.remote()
+            ray = _ray()
+            ready, _ = ray.wait(self._watches, num_returns=len(self._watches), timeout=0)
+            for i, ref in enumerate(self._watches):  # a new watch where the worker is new or the old one ended
+                if i in changed or ref in ready:
+                    self._watches[i] = self._actors[i].watch.remote()
             if changed:
                 log.info("remotorch on Ray: workers %s restarted, now at %s", changed, ", ".join(self.urls))
                 self._drop_session()
