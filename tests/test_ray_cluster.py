@@ -9,6 +9,7 @@ half a CPU each, so two clusters fit the fixture's two CPUs at once.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -228,7 +229,7 @@ def test_a_fresh_process_starts_its_own_ray_and_leaves_nothing_behind():
         print("DONE")
     """)
     env = {k: v for k, v in clean_env(**RAY_TEST_ENV).items() if not k.startswith("RAY_ADDRESS")}
-    env["RAY_AUTH_TOKEN"] = os.environ.get("RAY_AUTH_TOKEN") or "a-test-token-for-a-fresh-process-00"
+    env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # token auth on, nothing written to ~/.ray
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0 and "DONE" in done.stdout, done.stdout + done.stderr[-4000:]
     pids = [int(p) for p in done.stdout.split("PIDS", 1)[1].split()[:2]]
