@@ -8,6 +8,7 @@ run; ``start_server`` starts extra ones for tests that kill or misuse a server.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import tempfile
@@ -146,6 +147,48 @@ def start_server():
     yield start
     for srv in started:
         srv.stop()
+
+
+# A loopback-only Ray: Ray binds and dials 127.0.0.1 instead of this host's network address
+# (the switch Ray reads, once, when it is imported, for single-machine clusters on macOS and
+# Windows). Set here, before any test module can import Ray; only Ray reads it.
+RAY_TEST_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+os.environ.update(RAY_TEST_ENV)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray for the whole test run (2 CPUs, no dashboard, a 150 MB object store), shut down at the end.
+
+    Token authentication, on by default for a new local cluster in Ray 2.60,
+    stays on, as users get it: the token is a random one given in
+    ``RAY_AUTH_TOKEN`` (first of Ray's token sources), so Ray does not write
+    ``~/.ray/auth_token`` into the home directory of whoever runs the tests
+    (``RAY_AUTH_MODE=disabled`` would test a set-up users do not have; a
+    temporary ``HOME`` would change it for every other test of the run).
+    Ray and its processes listen on loopback only (``RAY_TEST_ENV``).
+    """
+    import ray  # part of the test extra: a missing Ray fails here rather than skipping
+
+    if ray.is_initialized():
+        pytest.fail("Ray was initialised before the ray_local fixture")
+    from ray._private import ray_constants
+
+    if ray_constants.ENABLE_RAY_CLUSTER:
+        pytest.fail("Ray was imported before conftest.py set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0; "
+                    "it would listen on this host's network address")
+    saved = os.environ.get("RAY_AUTH_TOKEN")
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=150 << 20, log_to_driver=False)
+        assert ray.util.get_node_ip_address() == "127.0.0.1"
+        yield ray
+    finally:
+        ray.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_AUTH_TOKEN", None)
+        else:
+            os.environ["RAY_AUTH_TOKEN"] = saved
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,236 @@
+"""remotorch workers inside Ray actors (``remotorch.cluster.RayCluster``) on a real local Ray.
+
+One local Ray serves the whole test run (``ray_local`` in conftest.py); each
+cluster here starts real ``remotorch serve`` processes inside Ray actors and
+talks to them over remotorch's own protocol on loopback. Workers reserve
+half a CPU each, so two clusters fit the fixture's two CPUs at once.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import remotorch
+from remotorch import errors
+from remotorch.client import embedded
+from remotorch.cluster import RayCluster
+from remotorch.cluster import actor as actor_module
+from remotorch.cluster.ray import _remote_class
+
+from conftest import RAY_TEST_ENV, clean_env, wait_until
+
+transformers = pytest.importorskip("transformers")
+
+HALF = dict(num_cpus_per_worker=0.5)
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def cluster_serve_processes() -> list[int]:
+    """Running ``remotorch serve`` processes started by a RayCluster (named ray-N), on this machine."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"remotorch" in argv and b"serve" in argv and any(a.startswith(b"ray-") for a in argv) \
+                and running(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+def compile_raise(fn, session, **kw):
+    return remotorch.compile(fn, session=session, fallback="raise", **kw)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_local):
+    with RayCluster(num_workers=2, **HALF) as c:
+        yield c
+
+
+# ------------------------------------------------------------------ serving
+def test_a_compiled_gpt2_on_the_cluster_equals_eager(cluster, ray_local):
+    torch.manual_seed(9)
+    config = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(7))
+    s = cluster.session
+    assert s.urls == cluster.urls and len(set(cluster.urls)) == 2
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        for worker in ("ray-0", "ray-1"):
+            out = compile_raise(model, s, worker=worker)(input_ids=ids).logits
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert s.stats()["fallbacks"] == 0
+    by_name = {c.name: c for c in s.connections()}
+    for i, info in enumerate(cluster.workers):  # each worker ran the model and uploaded its weights once
+        conn = by_name[f"ray-{i}"]
+        assert conn.url == info["url"]
+        assert conn.stats["remote_calls"] >= 1 and conn.stats["tensors_uploaded"] >= 1, conn.stats
+    assert [w["name"] for w in s.workers()] == ["ray-0", "ray-1"]
+
+
+def test_each_worker_is_a_child_of_its_ray_actor_which_never_imports_torch(cluster, ray_local):
+    node = ray_local.get_runtime_context().get_node_id()
+    for i, info in enumerate(cluster.workers):
+        assert info["name"] == f"ray-{i}" and info["node_id"] == node
+        assert info["url"].startswith("tcp://127.0.0.1:")  # the node's address on a loopback-only Ray
+        assert running(info["pid"]) and parent_of(info["pid"]) == info["actor_pid"]
+        assert info["actor_pid"] != os.getpid()
+    handle = cluster._actors[0]
+    loaded = ray_local.get(handle.__ray_call__.remote(
+        lambda self: sorted(m for m in ("torch", "remotorch") if m in sys.modules)))
+    assert loaded == []
+    assert actor_module.READY_PREFIX == embedded.READY_PREFIX
+
+
+def test_a_value_kept_on_worker_0_moves_to_worker_1_inside_the_cluster(cluster):
+    s = cluster.session
+    produce = compile_raise(lambda a: torch.sin(a) * 2, s, worker=0)
+    consume = compile_raise(lambda v: v.cos() + 1, s, worker="ray-1")
+    x = torch.randn(512, 512)  # 1 MiB
+    with torch.no_grad():
+        y = produce(x)
+        assert y.is_remote
+        before = s.stats()
+        z = consume(y)
+        after = s.stats()
+        assert y.is_remote  # never fetched by the client
+    assert after["values_moved"] == before["values_moved"] + 1
+    through_client = (after["bytes_sent"] - before["bytes_sent"]) + (after["bytes_received"] - before["bytes_received"])
+    assert through_client < 64 << 10, through_client  # the MiB went worker to worker
+    torch.testing.assert_close(z, (torch.sin(x) * 2).cos() + 1)
+
+
+def test_a_sigkilled_actor_takes_its_worker_along_and_comes_back(cluster):
+    """(The module's cluster, last: it leaves with fresh workers.)"""
+    c = cluster
+    old, s = c.workers[0], c.session
+    os.kill(old["actor_pid"], signal.SIGKILL)
+    assert wait_until(lambda: not running(old["pid"]), timeout=30), "the worker outlived its actor"
+    # the cluster notices by itself: the next .session after Ray reports the death is a new one
+    assert wait_until(lambda: c.session is not s, timeout=120)
+    assert c.refresh() is False  # already up to date
+    assert c.workers[0]["actor_pid"] != old["actor_pid"] and running(c.workers[0]["pid"])
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(compile_raise(torch.exp, c.session, worker=0)(x), torch.exp(x))
+    replaced = c.restart(1)  # a fresh actor in place of worker 1
+    assert replaced["url"] == c.urls[1] and running(replaced["pid"])
+    with torch.no_grad():
+        torch.testing.assert_close(compile_raise(torch.exp, c.session, worker=1)(x), torch.exp(x))
+    pids = [w["pid"] for w in c.workers] + [w["actor_pid"] for w in c.workers]
+    assert all(running(p) for p in pids)
+
+
+
+
+# ------------------------------------------------------------------ boundaries
+def test_a_wrong_token_is_refused_and_the_workers_keep_serving(cluster):
+    for url in cluster.urls:
+        with remotorch.Session(url, token="not-" + cluster.token, retry_after=0.0) as intruder:
+            with pytest.raises(errors.AuthenticationError):
+                intruder.health()
+        with remotorch.Session(url, retry_after=0.0) as no_token:
+            with pytest.raises(errors.AuthenticationError):
+                no_token.health()
+    assert all(h["healthy"] for h in cluster.health()), cluster.health()
+
+
+def test_a_non_loopback_bind_without_token_is_refused_inside_an_actor(ray_local):
+    """The actor starts the ordinary ``remotorch serve``, whose rule holds: no token, no public bind."""
+    handle = _remote_class(ray_local).options(num_cpus=0.1, max_restarts=0).remote(
+        0, None, name="ray-0", host="0.0.0.0", device="cpu", threads=1, serve_args=[], start_timeout=120)
+    with pytest.raises(ray_local.exceptions.RayActorError, match="refusing to listen on 0.0.0.0 without a token"):
+        ray_local.get(handle.info.remote(), timeout=120)
+    with pytest.raises(ValueError, match="token"):
+        RayCluster(1, token="")
+
+
+def test_a_worker_that_cannot_start_is_a_typed_error_and_leaves_nothing(ray_local):
+    before = cluster_serve_processes()
+    with pytest.raises(errors.WorkerUnavailableError, match="nonsense"):
+        with RayCluster(1, device="nonsense", **HALF):
+            pass
+    assert ray_local.is_initialized()
+    assert cluster_serve_processes() == before
+
+
+# ------------------------------------------------------------------ failures and restarts
+def test_a_killed_worker_is_a_typed_error_then_ray_restarts_it_and_the_session_is_renewed(ray_local):
+    before = cluster_serve_processes()
+    with RayCluster(num_workers=2, max_restarts=2, **HALF) as c:
+        s = c.session
+        assert c.session is s  # nothing changed: the same session
+        x = torch.randn(8, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(compile_raise(torch.tanh, s, worker=1)(x), torch.tanh(x))
+            old, first = c.workers[1], c.workers[0]
+            os.kill(old["pid"], signal.SIGKILL)
+            with pytest.raises(errors.WorkerUnavailableError) as raised:
+                compile_raise(lambda t: t * 3, s, worker=1)(x)
+            changed = c.refresh()  # waits for Ray to restart the actor; re-reads the URLs
+            assert changed is True, (old, c.workers[1], running(old["pid"]), str(raised.value))
+            fresh = c.session  # a session over the new set
+            assert fresh is not s and s.closed
+            new = c.workers[1]
+            assert new["incarnation"] != old["incarnation"] and new["pid"] != old["pid"]
+            assert new["url"] != old["url"] and fresh.urls == c.urls
+            assert c.workers[0] == first and running(first["pid"])  # worker 0 untouched
+            torch.testing.assert_close(compile_raise(lambda t: t * 3, fresh, worker=1)(x), x * 3)
+            torch.testing.assert_close(compile_raise(lambda t: t - 1, fresh, worker=0)(x), x - 1)
+        seen = [old["pid"], new["pid"], c.workers[0]["pid"]]
+        assert set(seen[1:]) <= set(cluster_serve_processes())
+    assert not any(running(p) for p in seen)  # stopped before __exit__ returned: no remotorch serve remains
+    assert cluster_serve_processes() == before
+    assert ray_local.is_initialized()  # the fixture's Ray: used, not shut down
+
+
+# ------------------------------------------------------------------ as a user runs it
+def test_a_fresh_process_starts_its_own_ray_and_leaves_nothing_behind():
+    """No ray.init of one's own: the cluster starts a local Ray and shuts it down on exit."""
+    script = textwrap.dedent("""
+        import os, torch, ray, remotorch
+        from remotorch.cluster import RayCluster
+        with RayCluster(1, num_cpus_per_worker=0.5, ray_init_kwargs=dict(num_cpus=1)) as c:
+            f = remotorch.compile(lambda a: a @ a, session=c.session, fallback="raise")
+            x = torch.randn(16, 16)
+            with torch.no_grad():
+                assert torch.allclose(f(x), x @ x)
+            assert c.session.stats()["remote_calls"] == 1
+            print("PIDS", c.workers[0]["pid"], c.workers[0]["actor_pid"])
+        assert not ray.is_initialized()
+        print("DONE")
+    """)
+    env = {k: v for k, v in clean_env(**RAY_TEST_ENV).items() if not k.startswith("RAY_ADDRESS")}
+    env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # token auth on, nothing written to ~/.ray
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and "DONE" in done.stdout, done.stdout + done.stderr[-4000:]
+    pids = [int(p) for p in done.stdout.split("PIDS", 1)[1].split()[:2]]
+    assert wait_until(lambda: not any(running(p) for p in pids), timeout=30)
