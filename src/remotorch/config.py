@@ -14,10 +14,11 @@ class EnvConfig:
     token: str | None
     spin_us: float = 0.0
     embedded_transport: str | None = None  # "unix" or "tcp" for the embedded worker (None: unix)
+    tls_ca: str | None = None  # PEM file of the CA (or the one pinned certificate) tls:// workers must have
 
 
 def from_env() -> EnvConfig:
-    """``REMOTORCH_URL``, ``REMOTORCH_TOKEN``, ``REMOTORCH_SPIN_US`` and
+    """``REMOTORCH_URL``, ``REMOTORCH_TOKEN``, ``REMOTORCH_TLS_CA``, ``REMOTORCH_SPIN_US`` and
     ``REMOTORCH_EMBEDDED_TRANSPORT``, empty values counting as unset.
 
     A ``REMOTORCH_SPIN_US`` that is not a number >= 0 is a ``ValueError``
@@ -33,4 +34,5 @@ def from_env() -> EnvConfig:
         raise ValueError(f"REMOTORCH_SPIN_US must be a number of microseconds >= 0, got {spin!r}") from None
     return EnvConfig(url=os.environ.get("REMOTORCH_URL") or None,
                      token=os.environ.get("REMOTORCH_TOKEN") or None, spin_us=spin_us,
-                     embedded_transport=os.environ.get("REMOTORCH_EMBEDDED_TRANSPORT") or None)
+                     embedded_transport=os.environ.get("REMOTORCH_EMBEDDED_TRANSPORT") or None,
+                     tls_ca=os.environ.get("REMOTORCH_TLS_CA") or None)

@@ -57,7 +57,8 @@ class Session:
     """A connection to one worker (or several), with what has been uploaded to each.
 
     ``url`` is ``tcp://host:port`` (or ``tls://host:port``, checking the
-    worker's certificate against the system CAs or ``tls_ca``); without it
+    worker's certificate against the system CAs or ``tls_ca``, default
+    ``REMOTORCH_TLS_CA``); without it
     ``REMOTORCH_URL`` is used, and without that an embedded worker process is
     started on this machine (on a private Unix socket) the first time the
     session needs a worker. ``unix:///path`` reaches a worker on this host
@@ -128,7 +129,7 @@ class Session:
         self._fallbacks = 0
         self.ids = ContentIds()  # content ids of resident tensors, shared by all workers
         self._trainers: dict[int, StatefulRunner] = {}  # by id(connection), made when first needed
-        options = dict(connect_timeout=connect_timeout, timeout=timeout, tls_ca=tls_ca,
+        options = dict(connect_timeout=connect_timeout, timeout=timeout, tls_ca=tls_ca or env.tls_ca,
                        spin_s=self._spin_s, retry_after=retry_after)
         first = [transport]
 
