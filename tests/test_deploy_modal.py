@@ -18,16 +18,19 @@ Modal credentials are configured.
 from __future__ import annotations
 
 import contextlib
+import json
 import queue
 import subprocess
 import sys
 import threading
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import remotorch
-from conftest import clean_env, closed_port
+from conftest import TOKEN as SERVER_TOKEN, clean_env, closed_port
 from remotorch import errors
 from remotorch.deploy.container import self_signed
 from remotorch.deploy.modal import MODAL_PRICES, ModalWorker, _build, credentials_configured, make_app
@@ -148,6 +151,25 @@ def test_deploy_without_credentials_says_what_to_do(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "remotorch", "deploy", "modal", "--timeout", "5"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "timeout must be" in bad.stderr
+
+
+def test_gpt2_eval_example_writes_its_files_locally(server, tmp_path):
+    """The example of the remote-GPU, local-files pattern, run as a user runs it (against REMOTORCH_URL)."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "gpt2_eval.py"
+    out = tmp_path / "my results"
+    proc = subprocess.run([sys.executable, str(example), "--out", str(out), "--problems", "12", "--batch", "4"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env=clean_env(REMOTORCH_URL=server.url, REMOTORCH_TOKEN=SERVER_TOKEN))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["results.csv", "summary.json", "timing.png"]
+    rows = (out / "results.csv").read_text().splitlines()
+    assert rows[0] == "problem,loss,perplexity,predicted,expected,correct,batch_ms" and len(rows) == 13
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["problems"] == 12 and summary["remote_calls"] == 3
+    assert summary["tensors_uploaded"] > 0
+    # only losses and predictions came back: 3 replies of 4 floats and 4 ints plus headers, no logits
+    assert summary["bytes_received"] < 3000, summary
+    assert "worker: test on cpu" in proc.stdout
 
 
 @pytest.mark.skipif(not credentials_configured(), reason="no Modal credentials configured (modal setup)")
