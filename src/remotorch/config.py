@@ -15,11 +15,13 @@ class EnvConfig:
     spin_us: float = 0.0
     embedded_transport: str | None = None  # "unix" or "tcp" for the embedded worker (None: unix)
     tls_ca: str | None = None  # PEM file of the CA (or the one pinned certificate) tls:// workers must have
+    progress: bool = True  # progress bars on a terminal (REMOTORCH_PROGRESS=0 turns them off)
 
 
 def from_env() -> EnvConfig:
-    """``REMOTORCH_URL``, ``REMOTORCH_TOKEN``, ``REMOTORCH_TLS_CA``, ``REMOTORCH_SPIN_US`` and
-    ``REMOTORCH_EMBEDDED_TRANSPORT``, empty values counting as unset.
+    """``REMOTORCH_URL``, ``REMOTORCH_TOKEN``, ``REMOTORCH_TLS_CA``, ``REMOTORCH_SPIN_US``,
+    ``REMOTORCH_EMBEDDED_TRANSPORT`` and ``REMOTORCH_PROGRESS`` (``0``, ``false``, ``no`` or ``off``:
+    no progress bars), empty values counting as unset.
 
     A ``REMOTORCH_SPIN_US`` that is not a number >= 0 is a ``ValueError``
     naming the variable. ``REMOTORCH_TOKEN`` is also the default token of
@@ -35,4 +37,6 @@ def from_env() -> EnvConfig:
     return EnvConfig(url=os.environ.get("REMOTORCH_URL") or None,
                      token=os.environ.get("REMOTORCH_TOKEN") or None, spin_us=spin_us,
                      embedded_transport=os.environ.get("REMOTORCH_EMBEDDED_TRANSPORT") or None,
-                     tls_ca=os.environ.get("REMOTORCH_TLS_CA") or None)
+                     tls_ca=os.environ.get("REMOTORCH_TLS_CA") or None,
+                     progress=(os.environ.get("REMOTORCH_PROGRESS") or "1").strip().lower()
+                     not in ("0", "false", "no", "off"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from functools import partial
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, Protocol
 
@@ -27,6 +28,7 @@ from ..config import from_env
 from ..transport import Transport
 from .connection import Connection, ContentIds, Graph, Launched
 from .embedded import EmbeddedWorker
+from .progress import upload_bar
 from .remote import fill, placeholder
 from .pool import Pool, split_urls
 
@@ -95,6 +97,11 @@ class Session:
     launch does; the next read waits, and a failure is raised there, naming
     the graph.
 
+    ``progress``: uploads of 64 MiB or more show a progress bar on stderr
+    when it is a terminal (None, the default; ``REMOTORCH_PROGRESS=0`` or a
+    ``remotorch`` logger set above ``WARNING`` turns that off), always
+    (True) or never (False).
+
     ``transport`` replaces the first worker's socket transport (an in-memory
     one in unit tests).
     """
@@ -108,7 +115,7 @@ class Session:
                  transport: Transport | None = None, retry_after: float = 1.0,
                  tokens: Mapping[str, str] | None = None, prices: Mapping[str, float] | None = None,
                  tls_ca: str | None = None, spin_us: float | None = None, keep_outputs: bool = True,
-                 keep_min_bytes: int = 1024, async_calls: bool = False) -> None:
+                 keep_min_bytes: int = 1024, async_calls: bool = False, progress: bool | None = None) -> None:
         env = from_env()
         urls = split_urls(url)
         if urls == [None]:
@@ -135,7 +142,10 @@ class Session:
 
         def make(u: str | None) -> Connection:
             given = first.pop() if first else None
-            return Connection(lambda: self._locate(u), ids=self.ids, transport=given, **options)
+            conn = Connection(lambda: self._locate(u), ids=self.ids, transport=given, **options)
+            if progress is not False:
+                conn.upload_progress = partial(upload_bar, enabled=True) if progress else upload_bar
+            return conn
 
         self.pool = Pool(urls, make, prices)
 
