@@ -138,10 +138,12 @@ def cmd_backends(args: argparse.Namespace) -> int:
         except RemoteError as exc:
             print(f"remotorch backends: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
-        for w in workers:
-            print(f"{w['name']}  {w['url']}  device={w['device']}  ${w['price_per_hour']:g}/hour")
-            for engine in w["engines"]:
-                print(f"  {w['name']}/{engine}")
+    from .profile.tables import is_terminal, table, write
+
+    rows = [[f"{w['name']}/{engine}", str(w["device"]), f"{w['price_per_hour']:g}", w["url"] or "embedded"]
+            for w in workers for engine in w["engines"]]
+    term = is_terminal()
+    write(table(("backend", "device", "$/hour", "worker url"), rows, indent=0, terminal=term), terminal=term)
     return 0
 
 

@@ -34,11 +34,13 @@ def wanted(stream: IO[str] | None = None) -> bool:
 
 
 @contextmanager
-def bar(description: str, total: float, *, unit: str = "bytes", stream: IO[str] | None = None,
+def bar(description: str, total: float | None, *, unit: str = "bytes", stream: IO[str] | None = None,
         enabled: bool | None = None) -> Iterator[Advance]:
-    """A bar of ``total`` (bytes, or items with ``unit="items"``); yields ``advance(n)``.
+    """A bar of ``total`` (bytes, or items with ``unit="items"``; None: unknown); yields ``advance(n)``.
 
-    ``enabled`` None means :func:`wanted`; the bar disappears when done.
+    ``enabled`` None means :func:`wanted`; the bar disappears when done. It
+    redraws four times a second from a thread of its own (rich's), so it
+    takes little from the work it watches.
     """
     if not (wanted(stream) if enabled is None else enabled):
         yield _nothing
@@ -51,7 +53,7 @@ def bar(description: str, total: float, *, unit: str = "bytes", stream: IO[str] 
     columns += ([DownloadColumn(), TransferSpeedColumn()] if unit == "bytes" else [MofNCompleteColumn()])
     columns.append(TimeRemainingColumn())
     console = Console(file=stream if stream is not None else sys.stderr, force_terminal=enabled or None)
-    with Progress(*columns, console=console, transient=True) as progress:
+    with Progress(*columns, console=console, transient=True, refresh_per_second=4) as progress:
         task = progress.add_task(description, total=total)
         yield lambda n: progress.advance(task, n)
 
