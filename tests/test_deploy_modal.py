@@ -20,10 +20,11 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
+import re
 import subprocess
 import sys
 import threading
-
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,10 @@ def test_make_app_builds_offline():
     assert f"torch=={torch.__version__.split('+')[0]}" in packages
     assert any(p.startswith("msgspec==") for p in packages) and "onnxruntime-gpu" in packages
     assert "onnxruntime" in ModalWorker(gpu=None).packages()
+    # every dependency remotorch itself declares is in the image (the worker imports the whole package)
+    names = {p.split("==")[0] for p in packages}
+    for requirement in [r for r in metadata.requires("remotorch") if "extra ==" not in r]:
+        assert re.split(r"[<>=!~\[ ;]", requirement)[0] in names, requirement
     for bad in (dict(timeout=5), dict(timeout=25 * 3600), dict(port=0)):
         with pytest.raises(ValueError):
             ModalWorker(**bad)

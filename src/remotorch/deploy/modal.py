@@ -48,8 +48,9 @@ log = logging.getLogger(__name__)
 MODAL_PRICES = {"T4": 0.59, "L4": 0.80, "A10G": 1.10, "L40S": 1.95, "A100": 2.10, "A100-40GB": 2.10,
                 "A100-80GB": 2.50, "H100": 3.95, "H200": 4.54, "B200": 6.25}
 
-# what the image installs besides torch, at the versions this machine runs (the wire format is theirs too)
-_PINNED = ("msgspec", "numpy", "cryptography")
+# what the image installs besides torch: remotorch's own dependencies (pyproject.toml), at the versions
+# this machine runs (the wire format is theirs too)
+_PINNED = ("msgspec", "numpy", "cryptography", "rich")
 _ENGINE_PACKAGES = ("onnx", "onnxscript")
 
 
