@@ -124,8 +124,9 @@ def serve_in_container(token: str, reply: Reply, *, port: int = 7878, name: str 
             log.info("worker %r serving on tls://%s:%s", name, host, public_port)
             if stop is None:
                 proc.proc.wait()
-            while proc.alive() and not stop.wait(0.5):
-                pass
+            else:
+                while proc.alive() and not stop.wait(0.5):
+                    pass
         finally:
             proc.stop()
         return proc.proc.returncode or 0
