@@ -89,9 +89,9 @@ def test_cli_backends_lists_every_worker(server, start_server):
     other = start_server(name="gpu0", extra_args=("--price-per-hour", "1.5"))
     proc = run_cli("backends", server.url, other.url, "--token", TOKEN)
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    assert lines[0].startswith(f"test  {server.url}  device=cpu")
-    assert "  test/eager" in lines and "  gpu0/eager" in lines and "  gpu0/onnxrt" in lines
-    assert any(line.startswith("gpu0") and "$1.5/hour" in line for line in lines)
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    assert lines[0] == ["backend", "device", "$/hour", "worker", "url"]  # a plain table: not a terminal
+    assert ["test/eager", "cpu", "0", server.url] in lines and ["gpu0/onnxrt", "cpu", "1.5", other.url] in lines
+    assert ["gpu0/eager", "cpu", "1.5", other.url] in lines and "\x1b[" not in proc.stdout
     bad = run_cli("backends", server.url, "--token", "wrong-token-000000000")
     assert bad.returncode == 1 and "AuthenticationError" in bad.stderr

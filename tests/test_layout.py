@@ -23,6 +23,8 @@ FORBIDDEN = {
     "client": {"capture", "training", "pipeline", "cluster", "deploy", "profile", "worker"},
     "capture": {"training", "pipeline", "cluster", "deploy", "profile", "worker", "transport", "client.session"},
     "training": {"capture", "pipeline", "cluster", "deploy", "profile", "worker"},
+    "deploy": {"capture", "training", "pipeline", "cluster", "profile", "compat", "worker"},
+    "compat": {"training", "pipeline", "cluster", "deploy", "worker"},
 }
 
 

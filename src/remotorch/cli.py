@@ -145,12 +145,15 @@ def cmd_backends(args: argparse.Namespace) -> int:
         except RemoteError as exc:
             print(f"remotorch backends: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
-        for w in workers:
-            print(f"{w['name']}  {w['url']}  device={w['device']}  ${w['price_per_hour']:g}/hour")
-            for engine in w["engines"]:
-                print(f"  {w['name']}/{engine}")
-            if w.get("allowed_ops"):
-                print(f"  custom operators allowed: {', '.join(w['allowed_ops'])}")
+    from .profile.tables import is_terminal, table, write
+
+    rows = [[f"{w['name']}/{engine}", str(w["device"]), f"{w['price_per_hour']:g}", w["url"] or "embedded"]
+            for w in workers for engine in w["engines"]]
+    term = is_terminal()
+    write(table(("backend", "device", "$/hour", "worker url"), rows, indent=0, terminal=term), terminal=term)
+    for w in workers:
+        if w.get("allowed_ops"):
+            print(f"{w['name']}: custom operators allowed: {', '.join(w['allowed_ops'])}")
     return 0
 
 
@@ -231,6 +234,39 @@ def cmd_schedule(args: argparse.Namespace) -> int:
             print(f"remotorch schedule: cannot write {args.png}: {exc}", file=sys.stderr)
             return 2
         print(f"wrote {args.png}")
+
+
+def cmd_deploy_modal(args: argparse.Namespace) -> int:
+    import time
+
+    from .errors import RemoteError
+    from .deploy.modal import ModalWorker, launch
+
+    try:
+        spec = ModalWorker(gpu=args.gpu or None, timeout=args.timeout, name=args.name, app_name=args.app_name,
+                           port=args.port, price_per_hour=args.price_per_hour)
+    except ValueError as exc:
+        print(f"remotorch deploy modal: {exc}", file=sys.stderr)
+        return 2
+    print(f"starting a remotorch worker on Modal ({spec.gpu or 'CPU'}, up to {spec.timeout} s)...",
+          file=sys.stderr, flush=True)
+    try:
+        with launch(spec, show_output=args.logs) as d:
+            print(f"remotorch: worker {d.name!r} on Modal {d.gpu or 'CPU'} at {d.url} "
+                  f"(${spec.price:g}/hour); it stops in {spec.timeout} s or at Ctrl-C")
+            print("connect with:")
+            print(f"  export REMOTORCH_URL={d.url}")
+            print(f"  export REMOTORCH_TOKEN={d.token}")
+            print(f"  export REMOTORCH_TLS_CA={d.tls_ca}")
+            print(f"or in Python: remotorch.Session({d.url!r}, token={d.token!r}, tls_ca={d.tls_ca!r})",
+                  flush=True)
+            while time.time() < d.expires_at:
+                time.sleep(min(5.0, max(0.0, d.expires_at - time.time())))
+    except KeyboardInterrupt:
+        print("remotorch deploy modal: stopping the worker", file=sys.stderr)
+    except (RemoteError, ImportError) as exc:
+        print(f"remotorch deploy modal: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -330,6 +366,19 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--png", default=None, metavar="FILE", help="also draw the timeline as a PNG (matplotlib)")
     sched.add_argument("--text", action="store_true", help="print the schedule's text form instead")
     sched.set_defaults(fn=cmd_schedule)
+    deploy = sub.add_parser("deploy", help="start a worker on a cloud platform")
+    platforms = deploy.add_subparsers(dest="platform", required=True)
+    modal = platforms.add_parser("modal", help="a worker in a Modal GPU container, over TLS with a random token")
+    modal.add_argument("--gpu", default="H100", help="Modal GPU type, e.g. T4, L4, A10G, A100, H100, H100:2 "
+                                                    "('' for a CPU container; default H100)")
+    modal.add_argument("--timeout", type=int, default=3600, help="seconds until the worker stops (default 3600)")
+    modal.add_argument("--name", default="modal", help="the worker's name in reports (default modal)")
+    modal.add_argument("--app-name", default="remotorch", help="the Modal app's name (default remotorch)")
+    modal.add_argument("--port", type=int, default=7878, help="the worker's port inside the container")
+    modal.add_argument("--price-per-hour", type=float, default=None,
+                       help="$ per hour reported to profiles (default: Modal's list price for the GPU)")
+    modal.add_argument("--logs", action="store_true", help="show Modal's image build and container logs")
+    modal.set_defaults(fn=cmd_deploy_modal)
 
     demo = sub.add_parser("demo", help="run example models on the embedded worker")
     demo.add_argument("--engine", default="eager")

@@ -16,12 +16,15 @@ class EnvConfig:
     embedded_transport: str | None = None  # "unix" or "tcp" for the embedded worker (None: unix)
     allow_ops: str | None = None  # custom-operator namespaces the embedded worker allows ("a,b")
     worker_imports: str | None = None  # modules the embedded worker imports to register them ("m,n")
+    tls_ca: str | None = None  # PEM file of the CA (or the one pinned certificate) tls:// workers must have
+    progress: bool = True  # progress bars on a terminal (REMOTORCH_PROGRESS=0 turns them off)
 
 
 def from_env() -> EnvConfig:
-    """``REMOTORCH_URL``, ``REMOTORCH_TOKEN``, ``REMOTORCH_SPIN_US``,
-    ``REMOTORCH_EMBEDDED_TRANSPORT``, ``REMOTORCH_ALLOW_OPS`` and
-    ``REMOTORCH_WORKER_IMPORTS``, empty values counting as unset.
+    """``REMOTORCH_URL``, ``REMOTORCH_TOKEN``, ``REMOTORCH_TLS_CA``, ``REMOTORCH_SPIN_US``,
+    ``REMOTORCH_EMBEDDED_TRANSPORT``, ``REMOTORCH_PROGRESS`` (``0``, ``false``, ``no`` or ``off``:
+    no progress bars), ``REMOTORCH_ALLOW_OPS`` and ``REMOTORCH_WORKER_IMPORTS``, empty values
+    counting as unset.
 
     The last two are for the embedded worker only (its ``--allow-ops`` and
     ``--import``); ``remotorch serve`` takes them only as flags, so a worker
@@ -42,4 +45,7 @@ def from_env() -> EnvConfig:
                      token=os.environ.get("REMOTORCH_TOKEN") or None, spin_us=spin_us,
                      embedded_transport=os.environ.get("REMOTORCH_EMBEDDED_TRANSPORT") or None,
                      allow_ops=os.environ.get("REMOTORCH_ALLOW_OPS") or None,
-                     worker_imports=os.environ.get("REMOTORCH_WORKER_IMPORTS") or None)
+                     worker_imports=os.environ.get("REMOTORCH_WORKER_IMPORTS") or None,
+                     tls_ca=os.environ.get("REMOTORCH_TLS_CA") or None,
+                     progress=(os.environ.get("REMOTORCH_PROGRESS") or "1").strip().lower()
+                     not in ("0", "false", "no", "off"))

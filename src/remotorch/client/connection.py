@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from collections import deque
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import msgspec
@@ -131,6 +132,8 @@ class Connection:
         # a dict of Pending fields to add, or None
         self.pending_hooks: list[Callable[[], dict | None]] = []
         self.reuse = InputReuse(self.handles)  # large inputs sent once per call; outputs sent back
+        # hook around large uploads: upload_progress(description, nbytes) -> context giving advance(n)
+        self.upload_progress: Callable[[str, int], AbstractContextManager] | None = None
         self._inflight: deque[Launched] = deque()  # launched calls whose replies are not read yet
         self.max_inflight = 32
 
@@ -294,7 +297,8 @@ class Connection:
         if graph.graph_id in self.graphs:
             return
         p = graph.payload
-        self.request(m.PutGraph(p.graph_id, p.doc, p.consts), p.const_frames)
+        with self._uploading("a graph", p.const_frames) as advance:
+            self.request(m.PutGraph(p.graph_id, p.doc, p.consts), p.const_frames, progress=advance)
         self.graphs.add(graph.graph_id)
         self.stats["graphs_uploaded"] += 1
 
@@ -407,9 +411,17 @@ class Connection:
         """Store tensors on the worker under their content ids (one ``PutTensors``)."""
         w = FrameWriter()
         metas = [w.meta(t) for t in tensors.values()]
-        self.request(m.PutTensors(list(tensors), metas), w.frames)
+        with self._uploading(f"{len(tensors)} weight tensor(s)", w.frames) as advance:
+            self.request(m.PutTensors(list(tensors), metas), w.frames, progress=advance)
         self.tensors.update(tensors)
         self.stats["tensors_uploaded"] += len(tensors)
+
+    def _uploading(self, what: str, frames: Sequence) -> AbstractContextManager:
+        """The ``upload_progress`` hook around an upload of ``frames`` (nothing without a hook)."""
+        if self.upload_progress is None or not frames:
+            return nullcontext()
+        nbytes = sum(memoryview(f).nbytes for f in frames)
+        return self.upload_progress(f"uploading {what} to {self.name or self.url or 'the worker'}", nbytes)
 
     # ------------------------------------------------------------ housekeeping
     def take_pending(self) -> m.Pending | None:
@@ -431,18 +443,22 @@ class Connection:
             if pending is not None:
                 self.request(pending)
 
-    def request(self, body, frames: Sequence = ()):
+    def request(self, body, frames: Sequence = (), progress: Callable[[int], None] | None = None):
         """Send one request; the decoded reply and its frames, or its error raised as a ``RemoteError``.
 
         A request that can carry deferred housekeeping (a ``pending`` field)
         carries it. Replies of launched calls are read first (they come in order).
+        ``progress(n)`` hears of the bytes sent (see :meth:`Transport.request`).
         """
         with self.lock:
             if self._inflight:
                 self.settle()
             body, transport = self._prepare(body)
             try:
-                header, out = transport.request(m.encode(body), frames)
+                if progress is None:
+                    header, out = transport.request(m.encode(body), frames)
+                else:
+                    header, out = transport.request(m.encode(body), frames, progress=progress)
             except errors.WorkerUnavailableError:
                 self._down_until = time.monotonic() + self._retry_after
                 raise

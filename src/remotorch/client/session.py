@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from functools import partial
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, Protocol
 
@@ -27,6 +28,7 @@ from ..config import from_env
 from ..transport import Transport
 from .connection import Connection, ContentIds, Graph, Launched
 from .embedded import EmbeddedWorker
+from .progress import upload_bar
 from .remote import fill, placeholder
 from .pool import Pool, split_urls
 
@@ -57,7 +59,8 @@ class Session:
     """A connection to one worker (or several), with what has been uploaded to each.
 
     ``url`` is ``tcp://host:port`` (or ``tls://host:port``, checking the
-    worker's certificate against the system CAs or ``tls_ca``); without it
+    worker's certificate against the system CAs or ``tls_ca``, default
+    ``REMOTORCH_TLS_CA``); without it
     ``REMOTORCH_URL`` is used, and without that an embedded worker process is
     started on this machine (on a private Unix socket) the first time the
     session needs a worker. ``unix:///path`` reaches a worker on this host
@@ -102,6 +105,11 @@ class Session:
     ``remotorch serve --allow-ops`` says. A graph calling an operator its
     worker does not allow is never uploaded: it runs locally or raises.
 
+    ``progress``: uploads of 64 MiB or more show a progress bar on stderr
+    when it is a terminal (None, the default; ``REMOTORCH_PROGRESS=0`` or a
+    ``remotorch`` logger set above ``WARNING`` turns that off), always
+    (True) or never (False).
+
     ``transport`` replaces the first worker's socket transport (an in-memory
     one in unit tests).
     """
@@ -117,7 +125,7 @@ class Session:
                  tls_ca: str | None = None, spin_us: float | None = None, keep_outputs: bool = True,
                  keep_min_bytes: int = 1024, async_calls: bool = False,
                  allow_ops: str | Sequence[str] | None = None,
-                 worker_imports: str | Sequence[str] | None = None) -> None:
+                 worker_imports: str | Sequence[str] | None = None, progress: bool | None = None) -> None:
         env = from_env()
         urls = split_urls(url)
         if urls == [None]:
@@ -143,13 +151,16 @@ class Session:
         self._fallbacks = 0
         self.ids = ContentIds()  # content ids of resident tensors, shared by all workers
         self._trainers: dict[int, StatefulRunner] = {}  # by id(connection), made when first needed
-        options = dict(connect_timeout=connect_timeout, timeout=timeout, tls_ca=tls_ca,
+        options = dict(connect_timeout=connect_timeout, timeout=timeout, tls_ca=tls_ca or env.tls_ca,
                        spin_s=self._spin_s, retry_after=retry_after)
         first = [transport]
 
         def make(u: str | None) -> Connection:
             given = first.pop() if first else None
-            return Connection(lambda: self._locate(u), ids=self.ids, transport=given, **options)
+            conn = Connection(lambda: self._locate(u), ids=self.ids, transport=given, **options)
+            if progress is not False:
+                conn.upload_progress = partial(upload_bar, enabled=True) if progress else upload_bar
+            return conn
 
         self.pool = Pool(urls, make, prices)
 

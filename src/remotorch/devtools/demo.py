@@ -16,7 +16,9 @@ import time
 import torch
 
 from ..capture.backend import compile as remote_compile
+from ..client.progress import bar
 from ..client.session import Session
+from ..profile.tables import is_terminal, table, write
 from . import models
 
 
@@ -66,16 +68,21 @@ def run_demo(*, engine: str = "eager", device: str = "auto", repeats: int = 50) 
                   f"engines {', '.join(info['engines'])}")
             print(f"client and worker share this machine's {cores} cores: {threads} thread(s) each for "
                   f"kernels; times are medians of {repeats} rounds, local and remote alternating\n")
-            print(f"{'model':20s} {'max |diff|':>11s} {'local ms':>9s} {'remote ms':>10s}  engine={engine}")
             compiled_bar = remote_compile(models.bar, session=session, engine=engine, fallback="raise")
-            for name, model, args in cases:
-                remote = compiled_bar if model is models.bar else remote_compile(
-                    model, session=session, engine=engine, fallback="raise")
-                with torch.no_grad():
-                    diff = _max_diff(model(*args), remote(*args))
-                    local_ms, remote_ms = interleaved_ms(model, remote, args, repeats)
-                ok &= diff <= 1e-4
-                print(f"{name:20s} {diff:11.2e} {local_ms:9.3f} {remote_ms:10.3f}")
+            rows = []
+            with bar("running the examples", len(cases), unit="items") as advance:
+                for name, model, args in cases:
+                    remote = compiled_bar if model is models.bar else remote_compile(
+                        model, session=session, engine=engine, fallback="raise")
+                    with torch.no_grad():
+                        diff = _max_diff(model(*args), remote(*args))
+                        local_ms, remote_ms = interleaved_ms(model, remote, args, repeats)
+                    ok &= diff <= 1e-4
+                    rows.append([name, f"{diff:.2e}", f"{local_ms:.3f}", f"{remote_ms:.3f}"])
+                    advance(1)
+            term = is_terminal()
+            write(table(("model", "max |diff|", "local ms", "remote ms"), rows, indent=0,
+                        title=f"engine={engine}", terminal=term), terminal=term)
             stats = session.stats()
     finally:
         torch.set_num_threads(before)

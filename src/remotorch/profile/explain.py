@@ -14,6 +14,8 @@ from typing import IO
 
 import torch
 
+from .tables import is_terminal, table, to_text, write
+
 
 @dataclass(frozen=True)
 class GraphBreak:
@@ -33,17 +35,26 @@ class Explanation:
     breaks: list[GraphBreak]
     ops_per_graph: list[list[str]] = field(default_factory=list)
 
-    def render(self) -> str:
-        lines = [f"{self.function}: {self.graph_count} graph(s), {self.graph_break_count} graph break(s)"]
-        for i, ops in enumerate(self.ops_per_graph, 1):
-            lines.append(f"  graph {i}: {len(ops)} op(s): {', '.join(ops[:12])}{' …' if len(ops) > 12 else ''}")
-        for i, brk in enumerate(self.breaks, 1):
-            lines.append(f"  break {i}: {brk.reason}")
-            lines += [f"    {frame}" for frame in brk.user_stack]
-        return "\n".join(lines)
+    def render(self, *, terminal: bool = False) -> str:
+        """The summary line, a table of graphs and one of graph breaks (plain text unless ``terminal``)."""
+        return to_text(*self._parts(terminal), terminal=terminal)
 
-    def print(self, file: IO[str] | None = None) -> None:
-        print(self.render(), file=file)
+    def _parts(self, terminal: bool) -> list:
+        parts: list = [f"{self.function}: {self.graph_count} graph(s), {self.graph_break_count} graph break(s)"]
+        if self.ops_per_graph:
+            rows = [[f"graph {i}", str(len(ops)), ", ".join(ops[:12]) + (" …" if len(ops) > 12 else "")]
+                    for i, ops in enumerate(self.ops_per_graph, 1)]
+            parts.append(table(("graph", "ops", "operations"), rows, terminal=terminal))
+        if self.breaks:
+            rows = []
+            for i, brk in enumerate(self.breaks, 1):
+                rows += [[f"break {i}", brk.reason], *([""] + [f"  {frame}"] for frame in brk.user_stack)]
+            parts.append(table(("break", "reason, then where in your code"), rows, terminal=terminal))
+        return parts
+
+    def print(self, file: IO[str] | None = None, *, terminal: bool | None = None) -> None:
+        """Print it: drawn by ``rich`` on a terminal, plain text elsewhere (or as ``terminal`` says)."""
+        write(*self._parts(terminal if terminal is not None else is_terminal(file)), file=file, terminal=terminal)
 
 
 def explain(fn, *args, **kwargs) -> Explanation:

@@ -25,6 +25,7 @@ import torch
 from .. import errors
 from ..client import default_session
 from ..client.connection import unpack_outputs
+from ..client.progress import bar
 from ..codec import messages as m
 from ..codec.graph import decode_graph
 from ..codec.ops import namespace
@@ -81,6 +82,8 @@ class Profiler:
         self._keep: list = []
         self._pool: ThreadPoolExecutor | None = None
         self._token = None
+        self._bar = None  # a progress bar of calls, on a terminal
+        self._advance = None
         self._entered = False
         self._lock = threading.Lock()
 
@@ -108,11 +111,16 @@ class Profiler:
                 self.workers[link.name] = dict(url=link.url, device=link.info()["device"],
                                                price_per_hour=session.price_per_hour(link.name))
         self._pool = ThreadPoolExecutor(max_workers=len(self._plan), thread_name_prefix="remotorch-profile")
+        self._bar = bar(f"profiling on {len(self.backends)} backend(s): calls", None, unit="items")
+        self._advance = self._bar.__enter__()
         self._token = activate_profiler(self)
         return self
 
     def __exit__(self, *exc) -> None:
         deactivate_profiler(self._token)
+        if self._bar is not None:
+            self._bar.__exit__(None, None, None)
+            self._bar = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -142,6 +150,7 @@ class Profiler:
             self._call = None
             with self._lock:
                 self.records.append(record)
+            self._advance(1)
 
     def note_compile(self) -> None:
         """Dynamo compiled something: the current call's times are not representative."""

@@ -1,6 +1,7 @@
-"""The terminal view of a profile report: one table per sequence, then totals per backend.
+"""The printed view of a profile report: one table per sequence, then totals per backend.
 
-A sequence with more graphs than ``max_graphs`` is abridged: its local
+Tables are drawn by :mod:`~remotorch.profile.tables` (``rich`` on a terminal,
+plain text elsewhere). A sequence with more graphs than ``max_graphs`` is abridged: its local
 segments are summed into one row, the ``max_graphs`` slowest graphs are
 shown, and the rest are summed into one row per backend. The saved files
 always hold the full table.
@@ -9,17 +10,19 @@ always hold the full table.
 from __future__ import annotations
 
 from .stats import CLIENT, ReportData, SequenceReport, Stats
+from .tables import table, to_text
 
 _HEAD = ("segment", "backend", "runs", "mean ms", "p50 ms", "p95 ms", "failures")
 
 
-def render(report: ReportData, *, max_graphs: int = 8) -> str:
-    """The whole report as text."""
-    lines = [_header(report)]
+def render(report: ReportData, *, max_graphs: int = 8, terminal: bool = False, width: int | None = None) -> str:
+    """The whole report as text: plain, or with ``terminal`` drawn for a terminal (escape codes)."""
+    parts: list = [_header(report)]
     for n, seq in enumerate(report.sequences, 1):
-        lines += ["", *_sequence(n, seq, report.backends, max_graphs)]
-    lines += ["", *_totals(report), *_failures(report)]
-    return "\n".join(lines)
+        title, rows = _sequence(n, seq, report.backends, max_graphs)
+        parts += ["", table(_HEAD, rows, terminal=terminal, title=title)]
+    parts += ["", _totals(report, terminal), *_failures(report)]
+    return to_text(*parts, terminal=terminal, width=width)
 
 
 def _header(report: ReportData) -> str:
@@ -47,7 +50,7 @@ def _row(name: str, backend: str, st: Stats) -> list[str]:
     return [name, backend, str(st.runs), _ms(st.mean_ms), _ms(st.p50_ms), _ms(st.p95_ms), _fails(st.failures)]
 
 
-def _sequence(n: int, seq: SequenceReport, backends: list[str], max_graphs: int) -> list[str]:
+def _sequence(n: int, seq: SequenceReport, backends: list[str], max_graphs: int) -> tuple[str, list[list[str]]]:
     graphs = [s for s in seq.segments if s.kind == "graph"]
     title = (f"sequence {n}: {seq.function}, {len(graphs)} graph(s), {seq.calls} call(s), "
              f"{seq.timed_calls} timed")
@@ -68,7 +71,7 @@ def _sequence(n: int, seq: SequenceReport, backends: list[str], max_graphs: int)
                 rows.append(_row(f"{seg.name} ({seg.graph_id[:8]}, {seg.ops} ops)" if i == 0 else "", b, seg.stats[b]))
         for i, b in enumerate(backends):
             rows.append(_row(f"{len(rest)} other graphs" if i == 0 else "", b, _summed([s.stats[b] for s in rest])))
-    return [title, *_table(rows)]
+    return title, rows
 
 
 def _summed(stats: list[Stats]) -> Stats:
@@ -82,7 +85,7 @@ def _summed(stats: list[Stats]) -> Stats:
     return Stats(sum(st.runs for st in stats), total, None, None, fails)
 
 
-def _totals(report: ReportData) -> list[str]:
+def _totals(report: ReportData, terminal: bool):
     head = ("backend", "graph ms", "local ms", "total ms", "network ms", "compile ms", "$/hour",
             "$ per 1M calls", "max |diff| vs eager", "failures")
     rows = []
@@ -92,8 +95,8 @@ def _totals(report: ReportData) -> list[str]:
                      "-" if s.cost_per_million is None else f"{s.cost_per_million:.4f}",
                      "-" if s.max_abs_diff is None else f"{s.max_abs_diff:.3g}",
                      str(sum(s.failures.values())) if s.failures else ""])
-    return ["per call, estimated (total = graph + local; network is reported apart, not in the total)",
-            *_table(rows, head)]
+    return table(head, rows, terminal=terminal,
+                 title="per call, estimated (total = graph + local; network is reported apart, not in the total)")
 
 
 def _failures(report: ReportData) -> list[str]:
@@ -102,18 +105,3 @@ def _failures(report: ReportData) -> list[str]:
     for s in report.summaries.values():
         lines += [f"  {s.backend}: {n}x {msg}" for msg, n in s.failures.items()]
     return ["", "failures (graph runs, all calls)", *lines] if lines else []
-
-
-def _table(rows: list[list[str]], head: tuple = _HEAD) -> list[str]:
-    cols = list(zip(head, *rows))
-    widths = [max(len(c) for c in col) for col in cols]
-    numeric = [all(_numeric(c) for c in col[1:]) for col in cols]
-
-    def fmt(cells) -> str:
-        return "  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(cells, widths, numeric)).rstrip()
-
-    return ["  " + fmt(head), "  " + fmt(["-" * w for w in widths]), *("  " + fmt(r) for r in rows)]
-
-
-def _numeric(cell: str) -> bool:
-    return cell in ("", "-") or cell.replace(".", "", 1).replace("e-", "", 1).replace("e+", "", 1).isdigit()

@@ -12,6 +12,7 @@ functions were profiled, the totals add one call of each.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ import numpy as np
 from .files import save_report
 from .records import CallRecord, ProfilePlan
 from .render import render
+from .tables import is_terminal, terminal_width
 from .stats import CLIENT, BackendSummary, ReportData, Segment, SequenceReport, Stats
 
 __all__ = ["CLIENT", "BackendSummary", "Report", "Segment", "SequenceReport", "Stats", "build_report"]
@@ -31,13 +33,17 @@ __all__ = ["CLIENT", "BackendSummary", "Report", "Segment", "SequenceReport", "S
 class Report(ReportData):
     """What a profile measured; ``print()`` it, ``save()`` it, or read ``totals``."""
 
-    def print(self, file: IO[str] | None = None, *, max_graphs: int = 8) -> None:
-        """Print the table; sequences with more than ``max_graphs`` graphs are abridged."""
-        print(render(self, max_graphs=max_graphs), file=file)
+    def print(self, file: IO[str] | None = None, *, max_graphs: int = 8, terminal: bool | None = None) -> None:
+        """Print the tables (drawn by ``rich`` on a terminal, plain text elsewhere, or as ``terminal``
+        says); sequences with more than ``max_graphs`` graphs are abridged."""
+        out = file if file is not None else sys.stdout
+        term = is_terminal(out) if terminal is None else terminal
+        print(render(self, max_graphs=max_graphs, terminal=term, width=terminal_width() if term else None),
+              file=out)
 
-    def render(self, *, max_graphs: int = 8) -> str:
-        """The table :meth:`print` prints, as a string."""
-        return render(self, max_graphs=max_graphs)
+    def render(self, *, max_graphs: int = 8, terminal: bool = False) -> str:
+        """The tables :meth:`print` prints, as a string (plain text unless ``terminal``)."""
+        return render(self, max_graphs=max_graphs, terminal=terminal)
 
     def save(self, output_dir: str | Path) -> dict[str, Path]:
         """Write profile.json, profile.csv and profile.png into ``output_dir`` (created if missing)."""

@@ -29,8 +29,13 @@ class Transport(abc.ABC):
     outstanding: int = 0  # posted messages whose replies are not collected yet
 
     @abc.abstractmethod
-    def request(self, header: bytes, frames: Sequence[Buffer] = ()) -> tuple[bytes, list]:
-        """Send one message and block until its reply arrives."""
+    def request(self, header: bytes, frames: Sequence[Buffer] = (), *,
+                progress: Callable[[int], None] | None = None) -> tuple[bytes, list]:
+        """Send one message and block until its reply arrives.
+
+        ``progress(n)``, when given, is called as ``n`` more bytes of the
+        message are written (a transport that cannot tell may call it once).
+        """
 
     @property
     @abc.abstractmethod

@@ -155,9 +155,10 @@ class TcpTransport(Transport):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
-    def _exchange(self, channel: FramedChannel, header: bytes, frames: Sequence[Buffer] = ()) -> tuple:
+    def _exchange(self, channel: FramedChannel, header: bytes, frames: Sequence[Buffer] = (),
+                  progress: Callable[[int], None] | None = None) -> tuple:
         """One message and its reply on ``channel``; socket errors are the caller's to map."""
-        self.bytes_sent += channel.send(header, frames)
+        self.bytes_sent += channel.send(header, frames, progress)
         if self.spin_s:
             _spin(channel, self.spin_s)
         reply, out, nbytes = channel.recv()
@@ -176,14 +177,15 @@ class TcpTransport(Transport):
         """True while a connection is open (no I/O)."""
         return self._channel is not None
 
-    def request(self, header: bytes, frames: Sequence[Buffer] = ()) -> tuple[bytes, list]:
+    def request(self, header: bytes, frames: Sequence[Buffer] = (), *,
+                progress: Callable[[int], None] | None = None) -> tuple[bytes, list]:
         with self._lock:
             if self.outstanding:
                 raise ProtocolError("replies to posted messages must be collected first")
             if self._channel is None:
                 self._channel = self._connect()
             try:  # the hot path: a plain try costs nothing when nothing fails
-                return self._exchange(self._channel, header, frames)
+                return self._exchange(self._channel, header, frames, progress)
             except _MAPPED as exc:
                 self._drop()
                 raise _mapped(exc, self.url, self.timeout) from exc

@@ -25,7 +25,7 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -202,9 +202,11 @@ class FramedChannel:
         self._out = None  # batches of the message being sent (an iterator), or None
         self._out_buf: list | None = None  # pieces taken from it and not yet written
 
-    def send(self, header: bytes, frames: Sequence = ()) -> int:
+    def send(self, header: bytes, frames: Sequence = (), progress: Callable[[int], None] | None = None) -> int:
         """Send header + frames as one message, waiting until it is written; returns its size.
 
+        ``progress(n)`` is called after each piece with the bytes it took (a
+        blocking socket; a non-blocking one calls it once, at the end).
         On a non-blocking socket it waits for room up to ``send_timeout``.
         A serving loop that must not wait uses :meth:`queue` and
         :meth:`flush` instead.
@@ -213,7 +215,9 @@ class FramedChannel:
         if self.sock.gettimeout() != 0.0:
             batches, self._out = self._out, None
             for batch in batches:
-                send_all(self.sock, batch)
+                sent = send_all(self.sock, batch)
+                if progress is not None:
+                    progress(sent)
             return size
         deadline = None if self.send_timeout is None else time.monotonic() + self.send_timeout
         while not self.flush():
@@ -221,6 +225,8 @@ class FramedChannel:
             if (left is not None and left <= 0) or not select.select([], [self.sock], [], left)[1]:
                 self._out = self._out_buf = None
                 raise socket.timeout("the peer did not take the message in time")
+        if progress is not None:
+            progress(size)
         return size
 
     def queue(self, header: bytes, frames: Sequence = ()) -> int:

@@ -66,7 +66,7 @@ class LoopbackTransport(Transport):
         self.bytes_received += message_size(reply, out)
         return bytes(reply), _copied(out)
 
-    def request(self, header: bytes, frames: Sequence[Buffer] = ()) -> tuple[bytes, list]:
+    def request(self, header: bytes, frames: Sequence[Buffer] = (), *, progress=None) -> tuple[bytes, list]:
         if not self._open:
             if self.down:
                 raise WorkerUnavailableError("loopback worker is down")

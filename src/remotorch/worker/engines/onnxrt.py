@@ -12,6 +12,11 @@ Custom operators (of namespaces the worker allows) export through the ONNX
 translations their library ships, where :data:`TRANSLATIONS` knows one
 (transformers translates its ``grouped_mm_fallback``); for others the export
 fails and so does this engine, for that graph.
+
+The exporter logs a warning per skipped torchvision operator on every export
+(four per graph where torchvision is not installed); :func:`quiet_exporter`
+demotes that noise to debug records of this module's logger, and leaves every
+other warning of the exporter as it is.
 """
 
 from __future__ import annotations
@@ -41,9 +46,39 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" and "CUDAExecutionProvider" in _providers()
 
 
+log = logging.getLogger(__name__)
+
+# (logger, message start) of third-party records that say nothing to a remotorch user
+NOISE = (("torch.onnx._internal.exporter._registration", "torchvision is not installed"),)
+
+
+class _Demote(logging.Filter):
+    """Drops the records a logger emits that start with ``prefix``, re-logging them at debug level."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith(self.prefix):
+            log.debug("%s: %s", record.name, message)
+            return False
+        return True
+
+
+def quiet_exporter() -> None:
+    """Put the :data:`NOISE` filters on their loggers (once; later calls find them there)."""
+    for name, prefix in NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Demote) and f.prefix == prefix for f in logger.filters):
+            logger.addFilter(_Demote(prefix))
+
+
 def compile(graph, device: torch.device, example_args):
     import onnxruntime
 
+    quiet_exporter()
     dynamic = _dynamic_shapes(graph.inputs, example_args)
     module = graph.module.to(device).eval()  # nn.Module.eval(): inference mode; no Python eval
     with warnings.catch_warnings():
