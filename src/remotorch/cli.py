@@ -234,6 +234,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
             print(f"remotorch schedule: cannot write {args.png}: {exc}", file=sys.stderr)
             return 2
         print(f"wrote {args.png}")
+    return 0
 
 
 def cmd_deploy_modal(args: argparse.Namespace) -> int:
