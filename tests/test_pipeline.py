@@ -146,6 +146,26 @@ def test_hf_gpt2_split_in_two(pair, seeded):
     assert pair.stats()["fallbacks"] == 0
 
 
+def test_hf_llama_split_in_two(pair, seeded):
+    """Rotary tables are computed once in stage 0 and sent with the hidden states to stage 1."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg)
+
+    def loss_fn(out, target):
+        return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+    def data(gen):
+        return torch.randint(0, 100, (4, 16), generator=gen), torch.randint(0, 100, (4, 16), generator=gen)
+
+    pipe, local, remote = train_both(model, ["model.layers.2"], pair, schedule="1F1B", loss_fn=loss_fn,
+                                     data=data, microbatches=2, steps=2, opt_class=torch.optim.SGD, lr=0.1)
+    assert remote == pytest.approx(local, rel=1e-5)
+    assert len(pipe.plan.edges) >= 2  # more than the hidden states crosses the cut
+
+
 def _steady_bytes(session, width: int) -> tuple[int, int]:
     """Client bytes of one steady step (the third), and the activation bytes the workers moved in it."""
     torch.manual_seed(0)

@@ -118,21 +118,10 @@ class StageRunner:
             req = m.RunResident(self.forward_graph.graph_id, self.forward_graph.engine, args,
                                 keep_from=g.n_outputs, handle_base=base, keep=keep, keep_min_bytes=0,
                                 send=[_send(d) for d in sends])
-            reply, frames = conn.call(lambda: (req, w.frames), self.forward_graph)
-            conn.stats["remote_calls"] += 1
-            conn.stats["remote_ms"] += getattr(reply, "run_ms", 0.0)
-        outs = _outputs(reply, g.n_outputs + g.n_saved)
+        outs, frames, kept = self._run(self.forward_graph, req, w.frames, g.n_outputs + g.n_saved, sends)
         mb.saved = [base + i for i in range(g.n_saved)]
         for hid in mb.saved:
             self.client.handles.seen(hid)
-        kept = {}
-        for k in keep:
-            if not isinstance(outs[k], m.KeptArg):
-                raise errors.LimitExceededError("the worker could not keep a stage's activation "
-                                                "(over the session's memory quota)")
-            self.client.handles.seen(outs[k].id)
-            kept[k] = outs[k].id
-        conn.stats["values_moved"] += sum(len(d.outputs) for d in sends)
         for pos in [p for p, s in enumerate(g.inputs) if s.kind == "stage"]:
             self.client.handles.release(mb.inputs[pos])  # the forward saved what it needs of them
         loss = None
@@ -161,29 +150,33 @@ class StageRunner:
             req = m.RunResident(self.backward_graph.graph_id, self.backward_graph.engine, args,
                                 handle_base=base, grads=grads, keep=keep, keep_min_bytes=0,
                                 send=[_send(d) for d in sends])
-            reply, _ = conn.call(lambda: (req, w.frames), self.backward_graph)
-            conn.stats["remote_calls"] += 1
-            conn.stats["remote_ms"] += getattr(reply, "run_ms", 0.0)
-        outs = _outputs(reply, len(g.inputs))
-        conn.stats["values_moved"] += sum(len(d.outputs) for d in sends)
-        kept = {}
-        for pos in keep:
-            if not isinstance(outs[pos], m.KeptArg):
-                raise errors.LimitExceededError("the worker could not keep a stage's gradient "
-                                                "(over the session's memory quota)")
-            self.client.handles.seen(outs[pos].id)
-            kept[pos] = outs[pos].id
+        _, _, kept = self._run(self.backward_graph, req, w.frames, len(g.inputs), sends)
         for hid in (*mb.saved, *mb.tangents.values()):
             self.client.handles.release(hid)
         mb.saved, mb.tangents = [], {}
         return kept
 
+    def _run(self, graph: _Graph, req: m.RunResident, frames: list, n_outputs: int,
+             sends: list[Delivery]) -> tuple[list, list, dict[int, int]]:
+        """Send one stage request: (its outputs, their frames, output -> handle id of those it kept)."""
+        conn = self.conn
+        with conn.lock:
+            reply, out_frames = conn.call(lambda: (req, frames), graph)
+            conn.stats["remote_calls"] += 1
+            conn.stats["remote_ms"] += getattr(reply, "run_ms", 0.0)
+            conn.stats["values_moved"] += sum(len(d.outputs) for d in sends)
+        if not isinstance(reply, m.ResidentReply) or len(reply.outputs) != n_outputs:
+            raise errors.ProtocolError("worker answered a pipeline stage with the wrong reply")
+        kept = {}
+        for k in req.keep:
+            out = reply.outputs[k]
+            if not isinstance(out, m.KeptArg):
+                raise errors.LimitExceededError("the worker could not keep a stage's activation or gradient "
+                                                "(over the session's memory quota)")
+            self.client.handles.seen(out.id)
+            kept[k] = out.id
+        return reply.outputs, out_frames, kept
+
 
 def _send(d: Delivery) -> m.SendOutputs:
     return m.SendOutputs(d.outputs, d.url, d.ticket.ticket_id, d.ticket.secret)
-
-
-def _outputs(reply, n: int) -> list:
-    if not isinstance(reply, m.ResidentReply) or len(reply.outputs) != n:
-        raise errors.ProtocolError("worker answered a pipeline stage with the wrong reply")
-    return reply.outputs
