@@ -266,6 +266,27 @@ def test_a_value_whose_worker_died_raises_on_read(start_server):
             assert y.is_remote
 
 
+def test_with_local_fallback_a_lost_value_is_remade_here_from_its_unchanged_inputs(start_server):
+    srv = start_server(name="doomed-local")
+    with remotorch.Session(srv.url, token=TOKEN, retry_after=0.0) as s:
+        f = remotorch.compile(lambda a: (a * 5, a + 1), session=s, fallback="local")
+        x, x2 = torch.randn(32, 32), torch.randn(32, 32)
+        with torch.no_grad():
+            y, z = f(x)
+            y2, _ = f(x2)
+        view = z[:, :4]
+        assert y.is_remote and z.is_remote and y2.is_remote and view.is_remote
+        srv.stop()
+        x2.add_(1)  # an input changed since: that value cannot be remade, its read raises
+        with pytest.warns(errors.RemoteFallbackWarning):
+            assert torch.equal(y, x * 5)
+        assert torch.equal(view, (x + 1)[:, :4]) and torch.equal(z, x + 1)
+        assert s.stats()["fallbacks"] >= 1
+        with pytest.raises(errors.WorkerUnavailableError):
+            y2.sum().item()
+        assert y2.is_remote
+
+
 def test_a_value_of_an_ended_session_is_missing(session):
     from remotorch.codec import messages as m
 

@@ -125,6 +125,11 @@ class RemoteGraph:
             fetch_all((args[i],))
         return runner.run_graph(self, args)
 
+    def run_locally(self, args: list, exc: RemoteError) -> list:
+        """Run the graph here on the inputs of an earlier call whose kept outputs were lost with their
+        worker (``fallback="local"``); ``exc`` (the failed read's error) when the policy says raise."""
+        return self._fall_back(self._runner(), args, exc, reached_worker=True)
+
     def _fall_back(self, runner: GraphRunner, args: list, exc: RemoteError, *, reached_worker: bool) -> list:
         if self.fallback == "raise" or not runner.prepare_local(self, args, reached_worker):
             raise exc

@@ -20,6 +20,12 @@ keeps this class (so dynamo's type guards stay stable). A read that cannot
 fetch (the worker died, the session expired) raises a ``RemoteError``; it
 never returns the unwritten buffer.
 
+With ``fallback="local"``, a read that cannot fetch because the worker is
+gone (it died, or forgot the session) runs the graph that produced the value
+here instead, from its inputs, if they are all still alive and unchanged
+(their version counters say so); otherwise it raises. Never the unwritten
+buffer, never a value computed from changed inputs.
+
 The handle is released on the worker when the last placeholder using it
 dies (the release rides on the next request of its connection).
 """
@@ -35,6 +41,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
+from .. import errors
 from ..codec import messages as m
 from ..codec.tensors import dtype_from_name
 
@@ -52,7 +59,7 @@ class Connection(Protocol):
 class RemoteRef:
     """One worker handle, owned by the placeholders (and views) that stand for it."""
 
-    __slots__ = ("handle", "conn", "graph", "index", "copies", "launched", "__weakref__")
+    __slots__ = ("handle", "conn", "graph", "index", "copies", "launched", "recompute", "__weakref__")
 
     def __init__(self, handle: int, conn: Connection, graph=None, index: int = -1, launched=None) -> None:
         self.handle = handle
@@ -61,6 +68,7 @@ class RemoteRef:
         self.graph = graph  # weak reference to the graph that produced it (learns which outputs are read)
         self.index = index
         self.copies: dict[int, tuple] = {}  # id(connection) -> (connection, handle of a copy moved there)
+        self.recompute: Recompute | None = None  # how to make the value here if its worker is gone
 
     def __del__(self) -> None:
         # runs in garbage collection, on any thread: only queue appends
@@ -83,6 +91,48 @@ class RemoteRef:
         graph = self.graph() if self.graph is not None else None
         if graph is not None:
             graph.read_outputs.add(self.index)
+
+
+# what a fetch that failed this way may be recomputed after: the worker or its session is gone
+_LOST = (errors.WorkerUnavailableError, errors.TransportError, errors.MissingObjectsError)
+
+
+class Recompute:
+    """Run a graph here from the inputs of one remote call, for the outputs it kept on a worker.
+
+    Holds the inputs weakly with their version counters: a value is remade
+    only from the very tensors it was made from, unchanged. The graph runs
+    at most once for all outputs of the call.
+    """
+
+    __slots__ = ("graph", "inputs", "outputs")
+
+    def __init__(self, graph, args) -> None:
+        self.graph = weakref.ref(graph)
+        self.inputs = [(weakref.ref(a), a._version) if isinstance(a, Tensor) else (a, None) for a in args]
+        self.outputs: list | None = None
+
+    def value(self, index: int, error: Exception) -> Tensor:
+        """Output ``index``, made here; ``error`` (the failed fetch's) when it cannot be."""
+        if self.outputs is None:
+            graph, args = self.graph(), []
+            for a, version in self.inputs:
+                t = a() if version is not None else a
+                if graph is None or (version is not None and (t is None or t._version != version)):
+                    raise error  # an input died or changed since: its value cannot be remade
+                args.append(t)
+            self.outputs = graph.run_locally(args, error)
+        return self.outputs[index]
+
+
+def recompute_locally(graph, args, outputs) -> None:
+    """Let the outputs of this call that stay on a worker be remade here if that worker is lost."""
+    rc = None
+    for o in outputs:
+        ref = remote_ref(o)
+        if ref is not None:
+            rc = rc or Recompute(graph, args)
+            ref.recompute = rc
 
 
 def _getter(name: str):
@@ -146,13 +196,21 @@ class RemoteTensor(torch.Tensor):
             RemoteTensor.materialize_(base)  # fills the shared local buffer
         else:
             ref.check()
-            real = ref.conn.fetch(arg_of(self))  # raises a RemoteError: then nothing changes here
-            ref.note_read()
-            # an internal write: outside any dispatch mode, without bumping the version counter
-            # (the tensor may be saved for backward)
-            with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass(), torch.no_grad(), \
-                    torch.autograd._unsafe_preserve_version_counter(self):
-                self.copy_(real)
+            try:
+                real = ref.conn.fetch(arg_of(self))  # raises a RemoteError: then nothing changes here
+            except _LOST as exc:
+                if ref.recompute is None:
+                    raise
+                real = None if base is not None else ref.recompute.value(ref.index, exc)
+            if real is None:  # a view of a value remade here: remake the whole value, which it shares
+                RemoteTensor.materialize_(base)
+            else:
+                ref.note_read()
+                # an internal write: outside any dispatch mode, without bumping the version counter
+                # (the tensor may be saved for backward)
+                with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass(), torch.no_grad(), \
+                        torch.autograd._unsafe_preserve_version_counter(self):
+                    self.copy_(real)
         for key in ("_rt_ref", "_rt_base", "_rt_view"):
             self.__dict__.pop(key, None)
         return self

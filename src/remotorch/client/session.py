@@ -29,7 +29,7 @@ from ..transport import Transport
 from .connection import Connection, ContentIds, Graph, Launched
 from .embedded import EmbeddedWorker
 from .progress import upload_bar
-from .remote import fill, placeholder
+from .remote import fill, placeholder, recompute_locally
 from .pool import Pool, split_urls
 
 
@@ -334,12 +334,16 @@ class Session:
         signature = _signature(args) if self.async_calls else None
         layout = graph.layouts.get(signature) if signature is not None else None
         if layout is not None and conn.can_launch:
-            return launch_run(conn, graph, args, keep, layout)
-        reply, frames = conn.run(graph, args, keep=keep, handle_base=conn.handles.reserve(len(keep)),
-                                 keep_min_bytes=0 if signature is not None else self.keep_min_bytes)
-        if signature is not None and all(isinstance(o, (m.KeptArg, m.ScalarArg)) for o in reply.outputs):
-            graph.layouts[signature] = reply.outputs  # the next call like this may launch without waiting
-        return conn.unpack(graph, reply.outputs, frames)
+            outs = launch_run(conn, graph, args, keep, layout)
+        else:
+            reply, frames = conn.run(graph, args, keep=keep, handle_base=conn.handles.reserve(len(keep)),
+                                     keep_min_bytes=0 if signature is not None else self.keep_min_bytes)
+            if signature is not None and all(isinstance(o, (m.KeptArg, m.ScalarArg)) for o in reply.outputs):
+                graph.layouts[signature] = reply.outputs  # the next call like this may launch without waiting
+            outs = conn.unpack(graph, reply.outputs, frames)
+        if getattr(graph, "fallback", "raise") == "local":
+            recompute_locally(graph, args, outs)  # kept values are remade here if their worker is lost
+        return outs
 
     def prepare_local(self, graph: Graph, args: Sequence, reached_worker: bool) -> bool:
         """May this graph run locally instead? Brings back what it needs first.
