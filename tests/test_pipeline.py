@@ -89,7 +89,7 @@ def train_both(model, split_before, session, *, schedule, steps=3, microbatches=
         loss = pipe.step(x, y)
         opt.step()
         opt.zero_grad()
-        ref_loss = loss_fn(ref(x), y)
+        ref_loss = loss_fn(ref(**x) if isinstance(x, dict) else ref(x), y)
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -136,8 +136,10 @@ def test_hf_gpt2_split_in_two(pair, seeded):
     def loss_fn(out, target):
         return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
 
-    def data(gen):
-        return torch.randint(0, 100, (8, 16), generator=gen), torch.randint(0, 100, (8, 16), generator=gen)
+    def data(gen):  # keyword inputs, as Hugging Face models take them
+        ids = torch.randint(0, 100, (8, 16), generator=gen)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.randint(0, 100, (8, 16),
+                                                                                          generator=gen)
 
     # SGD: Adam turns the float noise of exactly-zero gradients (GPT-2's key bias) into full steps
     pipe, local, remote = train_both(model, ["transformer.h.2"], pair, schedule="1F1B", loss_fn=loss_fn,

@@ -69,7 +69,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------- build
     def _chunks(self, x, y) -> tuple[list, list]:
-        args = x if isinstance(x, tuple) else (x,)
+        args = x if isinstance(x, (tuple, dict)) else (x,)  # positional arguments, or keyword ones
         leaves, spec = pytree.tree_flatten((args, y))
         n = self.microbatches
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
@@ -126,7 +126,12 @@ class Pipeline:
 
     # -------------------------------------------------------------------- step
     def step(self, x, y) -> torch.Tensor:
-        """Forward and backward of every microbatch (gradients accumulate on the workers); the mean loss."""
+        """Forward and backward of every microbatch (gradients accumulate on the workers); the mean loss.
+
+        ``x`` is the model's input: a tensor, a tuple of positional arguments or a dict of keyword
+        arguments (``{"input_ids": …, "attention_mask": …}``); ``y`` the target ``loss_fn`` takes.
+        Every tensor in them is split along dimension 0 into the microbatches.
+        """
         mbs, shapes = self._chunks(x, y)
         if self.plan is None:
             self._build(mbs[0])

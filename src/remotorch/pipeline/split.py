@@ -117,8 +117,9 @@ def _from_source(value, names) -> str | None:
 
 
 # --------------------------------------------------------------------- capture
-def capture(model: torch.nn.Module, loss_fn: Callable, args: tuple, target) -> tuple:
-    """Trace ``loss_fn(model(*args), target)`` as one graph; returns (graph module, example inputs)."""
+def capture(model: torch.nn.Module, loss_fn: Callable, args: tuple | dict, target) -> tuple:
+    """Trace ``loss_fn(model(*args), target)`` (``model(**args)`` for a dict) as one graph; returns
+    (graph module, example inputs)."""
     got: dict = {}
 
     def backend(gm, example_inputs):
@@ -131,7 +132,7 @@ def capture(model: torch.nn.Module, loss_fn: Callable, args: tuple, target) -> t
         return placeholder_outputs
 
     def trace(a, t):
-        return loss_fn(model(*a), t)
+        return loss_fn(model(**a) if isinstance(a, dict) else model(*a), t)
     # a fresh code object per capture: dynamo's cache (and its recompile limit) is per code object
     fresh = types.FunctionType(trace.__code__.replace(), trace.__globals__, "remotorch_pipeline_trace",
                                None, trace.__closure__)
