@@ -18,7 +18,7 @@ logits), all without gradients. The systems:
   server is rank 1, TensorPipe with its default transports): ``rpc.remote``
   builds the module there once (an RRef), then ``rref.rpc_sync().forward(x)``.
 - **Ray**: a local Ray (2 CPUs, no dashboard, token authentication on), one
-  actor holding the model: ``ray.get(actor.forward.remote(x))``.
+  actor holding the models: ``ray.get(actor.forward.remote(name, x))``.
 - **remotorch**: ``remotorch.compile(model, fallback="raise")`` on a
   ``remotorch serve`` worker over ``tcp://``, over ``unix://``, and over
   ``tcp://`` with both ends busy-polling (``serve --spin-us``,
@@ -226,8 +226,8 @@ class Systems:
         for t in threads:
             t.start()
         self.ray = start_ray(stack)
-        # both start their models asynchronously: actor processes and RRefs build while we go on
-        self.actors = {n: self.ray.remote(ModelActor).options(num_cpus=0).remote(n) for n in NAMES}
+        # both build their models asynchronously: the actor process and the RRefs while we go on
+        self.actor = self.ray.remote(ModelActor).options(num_cpus=0).remote()
         self.rrefs = start_rpc(stack)
         self.floor_port, self.zmq_port = int(floor.ready()), int(pickler.ready())
         for t in threads:
@@ -248,11 +248,11 @@ class Systems:
         req = self.zmq_ctx.socket(zmq.REQ)
         req.connect(f"tcp://127.0.0.1:{self.zmq_port}")
         self.stack.callback(req.close, 0)
-        rref, actor = self.rrefs[name], self.actors[name]
+        rref, actor = self.rrefs[name], self.actor
         probes = {"local": model, "floor": floor.call,
                   "pickle/zmq": lambda x: zmq_call(req, name, x),
                   "torch RPC": lambda x: rref.rpc_sync().forward(x),
-                  "Ray": lambda x: self.ray.get(actor.forward.remote(x))}
+                  "Ray": lambda x: self.ray.get(actor.forward.remote(name, x))}
         for system in REMOTORCH:
             probes[system] = remotorch.compile(model, session=self.sessions[system], fallback="raise")
         return probes

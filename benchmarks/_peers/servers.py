@@ -115,15 +115,15 @@ def serve_rpc(port: int) -> None:
 
 
 class ModelActor:
-    """The Ray actor: holds one model, runs it on what ``forward`` is given."""
+    """The Ray actor: holds every model (one process, as each peer server), runs the named one."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self) -> None:
         torch.set_num_threads(1)
-        self.model = build_module(name)
+        self.models = {n: build_module(n) for n in NAMES}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, name: str, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return self.model(x)
+            return self.models[name](x)
 
 
 def main(argv: list[str]) -> None:
