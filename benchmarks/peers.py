@@ -97,7 +97,7 @@ FLOOR_OVERHEAD_TARGET = 2.0  # (remotorch - local) / (floor - local), MLP
 FLOOR_TARGET = 1.1  # remotorch / floor, GPT-2
 TAIL_TARGET = 3.0  # p99 / median, remotorch
 RTOL, ATOL = 1e-4, 1e-4
-# calls per system: rounds x per round (after warm-up), per model
+# per model: (rounds, calls per system in each round, warm-up calls per system)
 FULL = {"mlp": (20, 25, 50), "block": (20, 25, 50), "gpt2": (20, 4, 5)}
 QUICK = {"mlp": (3, 5, 3), "block": (3, 5, 3), "gpt2": (3, 2, 1)}
 out = sys.stdout  # where the report goes (standard error under a bare --json)
