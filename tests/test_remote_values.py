@@ -402,3 +402,35 @@ def test_a_launched_call_that_fails_raises_at_the_read_with_its_graph(start_serv
                 y.sum().item()
             with pytest.raises(errors.WorkerUnavailableError):
                 f(y)  # its value cannot be used either
+
+
+def test_bad_deliveries_in_a_run_are_typed_errors_and_the_workers_keep_serving(server, start_server):
+    """``RunResident.send`` (what pipeline stages use): a bad output index, a forged ticket, a huge ttl."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from remotorch.codec import messages as m
+    from remotorch.codec.frames import FrameReader, FrameWriter
+    from remotorch.codec.graph import encode_graph
+
+    other = start_server(name="receiver")
+    with remotorch.Session([server.url, other.url], token=TOKEN) as s:
+        a, b = s.connections()
+        payload = encode_graph(make_fx(lambda t: t + 1)(torch.randn(4, 4)))
+        a.request(m.PutGraph(payload.graph_id, payload.doc, payload.consts), payload.const_frames)
+
+        def run(send):
+            w = FrameWriter()
+            arg = w.tensor(torch.ones(4, 4))
+            return a.request(m.RunResident(payload.graph_id, "eager", [arg], send=send), w.frames)
+
+        with pytest.raises(errors.InvalidRequestError, match="send"):
+            run([m.SendOutputs([3], b.url, b"\0" * 16, b"\0" * 32)])  # the graph has one output
+        with pytest.raises(errors.AuthenticationError):
+            run([m.SendOutputs([0], b.url, b"\1" * 16, b"\2" * 32)])  # a ticket the receiver never issued
+        ticket, _ = b.request(m.ExpectHandles([77], [m.TensorMeta("float32", [4, 4], [4, 1], 0)], ttl_s=1e9))
+        assert 0 < ticket.expires_s <= 3600  # capped by the worker
+        reply, _ = run([m.SendOutputs([0], b.url, ticket.ticket_id, ticket.secret)])
+        assert reply.outputs == [m.ScalarArg(None)]  # sent, not answered
+        got, frames = b.request(m.Fetch([m.HandleArg(77)]))
+        assert torch.equal(FrameReader(frames).tensor(got.values[0]), torch.full((4, 4), 2.0))
+        assert s.health()["name"] == "test" and b.info(refresh=True)["name"] == "receiver"

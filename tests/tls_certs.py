@@ -1,34 +1,20 @@
-"""Self-signed TLS certificates made at test time (nothing is downloaded or checked in)."""
+"""Self-signed TLS certificates made at test time (nothing is downloaded or checked in).
+
+The certificate is the one a deployed worker makes for itself
+(``remotorch.deploy.container.self_signed``); here it is written to files.
+"""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from remotorch.deploy.container import self_signed as make_certificate
 
 
 def self_signed(directory: Path, name: str, host: str = "127.0.0.1") -> tuple[str, str]:
     """Write ``name``.crt and ``name``.key (a certificate for ``host``, its own CA); returns their paths."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"remotorch test {name}")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder()
-            .subject_name(subject).issuer_name(subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]),
-                           critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert_pem, key_pem = make_certificate(host, days=1)
     crt_path, key_path = directory / f"{name}.crt", directory / f"{name}.key"
-    crt_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    crt_path.write_bytes(cert_pem)
+    key_path.write_bytes(key_pem)
     return str(crt_path), str(key_path)

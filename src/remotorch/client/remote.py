@@ -236,7 +236,9 @@ def _eager(func, args, kwargs):
     full = _mutating(func, kwargs)
     for a in pending:
         a.materialize_(full=full)
-    if func in _AS_PLAIN:  # torch.save, pickle, repr, deepcopy: exactly as an ordinary tensor
+    # torch.save, pickle, repr, deepcopy of the user's own tensor, in the user's process: exactly as
+    # an ordinary tensor (client side only; nothing here unpickles, and no worker ever does)
+    if func in _AS_PLAIN:
         with torch._C.DisableTorchFunctionSubclass():
             plain = args[0].as_subclass(Tensor)
         return func(plain, *args[1:], **kwargs)

@@ -332,6 +332,8 @@ class RayCluster:
 
 def _remote_class(ray):
     """The worker actor class for Ray, shipped by value so actor processes never import remotorch or torch."""
+    # Ray's own control plane (driver -> actor, inside the private cluster; docs/security.md §8)
+    # pickles the actor class; remotorch's protocol, the only boundary a client faces, never does
     ray.cloudpickle.register_pickle_by_value(actor_module)
     return ray.remote(actor_module.WorkerActor)
 

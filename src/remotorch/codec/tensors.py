@@ -90,13 +90,14 @@ def tensor_to_wire(t: torch.Tensor, frame: int) -> tuple[TensorMeta, memoryview]
     if flat is None:
         t = t.contiguous()
         flat = t.reshape(-1)
-    strides = list(t.stride()) if t.numel() else _contiguous_strides(t.shape)
+    strides = list(t.stride()) if t.numel() else contiguous_strides(t.shape)
     raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
     meta = TensorMeta(name, list(t.shape), strides, frame)
     return meta, memoryview(raw.numpy()).cast("B")
 
 
-def _contiguous_strides(shape) -> list[int]:
+def contiguous_strides(shape) -> list[int]:
+    """The strides of a contiguous tensor of this shape (elements)."""
     strides, acc = [], 1
     for n in reversed(list(shape)):
         strides.append(acc)

@@ -30,7 +30,7 @@ import torch
 
 from .. import errors
 from ..codec import messages as m
-from ..codec.tensors import dtype_name
+from ..codec.tensors import contiguous_strides, dtype_name
 from .stage import Delivery, Microbatch, StageRunner
 
 TICKET_TTL_S = 3600.0  # tickets of a step wait at most this long (the worker may cap it)
@@ -73,14 +73,6 @@ class Plan:
         return e.output in self.runners[e.src].graphs.tangent_of and self.runners[e.dst].has_grad(e.position)
 
 
-def _contiguous(shape) -> list[int]:
-    strides, n = [], 1
-    for d in reversed(shape):
-        strides.append(n)
-        n *= max(int(d), 1)
-    return strides[::-1]
-
-
 class StepRun:
     """One ``pipe.step``: microbatches through the schedule on every worker."""
 
@@ -120,7 +112,7 @@ class StepRun:
                 for e in edges:
                     src = self.plan.runners[e.src].graphs
                     dtype, shape, _ = src.output_meta[e.output]
-                    metas.append(m.TensorMeta(dtype_name(dtype), list(shape), _contiguous(shape), 0))
+                    metas.append(m.TensorMeta(dtype_name(dtype), list(shape), contiguous_strides(shape), 0))
                     hids.append(runner.client.handles.reserve(1))
                 ticket, _ = runner.conn.request(m.ExpectHandles(hids, metas, ttl_s=TICKET_TTL_S))
                 if not isinstance(ticket, m.TicketReply):
