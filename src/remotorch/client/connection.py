@@ -136,6 +136,9 @@ class Connection:
         self.upload_progress: Callable[[str, int], AbstractContextManager] | None = None
         self._inflight: deque[Launched] = deque()  # launched calls whose replies are not read yet
         self.max_inflight = 32
+        # graph id -> [(argument index, weak reference, version, RefArg)] of its last call's resident
+        # arguments (weak: a model that goes away takes its weights with it)
+        self._last_resident: dict[str, list] = {}
 
     # ------------------------------------------------------------------ lifetime
     @property
@@ -274,7 +277,7 @@ class Connection:
         """
         engine = engine or graph.engine
         self.import_values(args)
-        reuse = request is m.RunGraph and self.reuse.begin(args)
+        reuse = request is m.RunGraph and self.reuse.begin(args, graph.resident_set)
 
         def build():
             run_args, frames = self.pack_args(graph, args, reuse)
@@ -310,23 +313,48 @@ class Connection:
         compiled function is referenced where the worker kept it
         (:mod:`remotorch.client.reuse`).
         """
-        resident = graph.resident_set
-        w, run_args, uploads = FrameWriter(), [], {}
+        w, uploads = FrameWriter(), {}
         self.reuse.start_request()
+        run_args = self._resident_args(graph, args)
+        if run_args is None:  # not as last time: hash what changed, upload what the worker lacks
+            run_args, resident = [None] * len(args), graph.resident_set
+            for i in resident:
+                a = args[i]
+                if type(a) is not RemoteTensor and isinstance(a, torch.Tensor):
+                    tid = self.ids.get(a)[0]
+                    if tid not in self.tensors:
+                        uploads[tid] = a
+                    run_args[i] = m.RefArg(tid)
+            self._remember_resident(graph, args, run_args)
         for i, a in enumerate(args):
+            if run_args[i] is not None:
+                continue
             if type(a) is RemoteTensor:
-                run_args.append(self.value_arg(a, w))
-            elif i in resident and isinstance(a, torch.Tensor):
-                tid = self.ids.get(a)[0]
-                if tid not in self.tensors:
-                    uploads[tid] = a
-                run_args.append(m.RefArg(tid))
+                run_args[i] = self.value_arg(a, w)
             else:
                 hid = self.reuse.arg(graph, i, a, reuse) if isinstance(a, torch.Tensor) else None
-                run_args.append(m.HandleArg(hid) if hid is not None else w.value(a))
+                run_args[i] = m.HandleArg(hid) if hid is not None else w.value(a)
         if uploads:
             self.upload(uploads)
         return run_args, w.frames
+
+    def _resident_args(self, graph: Graph, args: Sequence) -> list | None:
+        """The resident arguments of the last call of this graph, when they are the same tensors
+        at the same versions and the worker still holds them (a warm call hashes nothing); else None."""
+        last = self._last_resident.get(graph.graph_id)
+        if last is None:
+            return None
+        run_args, held = [None] * len(args), self.tensors
+        for i, ref, version, arg in last:
+            a = args[i]
+            if ref() is not a or a._version != version or arg.id not in held:
+                return None
+            run_args[i] = arg
+        return run_args
+
+    def _remember_resident(self, graph: Graph, args: Sequence, run_args: list) -> None:
+        self._last_resident[graph.graph_id] = [(i, weakref.ref(args[i]), args[i]._version, run_args[i])
+                                               for i in graph.resident if run_args[i] is not None]
 
     # ------------------------------------------------- values that stay on workers
     def value_arg(self, t: RemoteTensor, w: FrameWriter):
@@ -351,6 +379,8 @@ class Connection:
         after the other, never together.
         """
         for t in args:
+            if type(t) is not RemoteTensor:
+                continue
             ref = remote_ref(t)
             if ref is None or ref.conn is self or (id(self), _view_key(t)) in ref.copies:
                 continue

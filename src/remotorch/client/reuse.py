@@ -44,10 +44,11 @@ class InputReuse:
         self.keep_inputs: list[list[int]] = []  # this request's [argument index, handle id] pairs
         self._returned: dict[int, tuple] = {}  # id(output) -> (output ref, graph ref, output index)
 
-    def begin(self, args: Sequence) -> bool:
-        """Before a call's request: whether its large inputs take part (a new call releases the last one's)."""
-        big = any(isinstance(a, torch.Tensor) and type(a) is not RemoteTensor and a.nbytes >= self.min_bytes
-                  for a in args)
+    def begin(self, args: Sequence, resident: frozenset[int] = frozenset()) -> bool:
+        """Before a call's request: whether its large inputs take part (a new call releases the last
+        one's). Arguments at ``resident`` indices (weights: sent by content id) never do."""
+        big = any(i not in resident and type(a) is not RemoteTensor and isinstance(a, torch.Tensor)
+                  and a.nbytes >= self.min_bytes for i, a in enumerate(args))
         if not big and not self._sent:
             return False
         scope = call_scope()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +91,15 @@ class SharedStore:
         if entry is None or session not in entry.holders:
             raise KeyError(key)
         return entry.value
+
+    def getter(self, session: object, default: Any) -> Callable[[str], Any]:
+        """``get(key)``: the object if this session holds it, else ``default`` (many lookups, one setup)."""
+        entries = self._entries
+
+        def get(key: str) -> Any:
+            entry = entries.get(key)
+            return entry.value if entry is not None and session in entry.holders else default
+        return get
 
     def missing(self, session: object, keys: Iterable[str]) -> list[str]:
         """The keys of ``keys`` this session does not hold."""
