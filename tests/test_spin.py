@@ -163,3 +163,48 @@ def test_embedded_worker_spins_when_the_session_does(monkeypatch):
         assert args[args.index("--spin-us") + 1] == "500"
     finally:
         session.close()
+
+
+def test_auto_spin_polls_only_while_waits_end_within_its_window():
+    from remotorch.transport.base import AUTO_SPIN_S, Spin
+
+    spin = Spin(None)
+    if spin.window == 0.0:
+        pytest.skip("this process may run on one CPU only: auto never spins here")
+    assert spin.window == AUTO_SPIN_S and spin.budget() == AUTO_SPIN_S
+    spin.waited(AUTO_SPIN_S * 5)  # the other end took longer than the window: sleep from now on
+    assert spin.budget() == 0.0
+    spin.waited(AUTO_SPIN_S / 4)  # replies come back to back again: poll again
+    assert spin.budget() == AUTO_SPIN_S
+    fixed = Spin(0.002)
+    fixed.waited(1.0)  # a fixed window polls whatever the waits were
+    assert fixed.budget() == 0.002
+    assert Spin(0).budget() == 0.0
+
+
+def test_spin_is_auto_by_default_and_zero_turns_it_off(monkeypatch):
+    monkeypatch.delenv("REMOTORCH_SPIN_US", raising=False)
+    assert remotorch.Session("tcp://127.0.0.1:1")._spin_s is None
+    monkeypatch.setenv("REMOTORCH_SPIN_US", "auto")
+    assert remotorch.Session("tcp://127.0.0.1:1")._spin_s is None
+    monkeypatch.setenv("REMOTORCH_SPIN_US", "0")
+    assert remotorch.Session("tcp://127.0.0.1:1")._spin_s == 0.0
+    assert remotorch.Session("tcp://127.0.0.1:1", spin_us="auto")._spin_s is None
+
+
+def test_an_auto_spinning_worker_is_fast_in_bursts_exact_and_idle_when_left_alone(server):
+    # the shared test worker runs with the default, --spin-us auto
+    pid = server.proc.pid
+    torch.manual_seed(2)
+    model = models.mlp().eval()
+    with remotorch.Session(server.url, token=TOKEN) as session:
+        compiled = remotorch.compile(model, session=session, fallback="raise")
+        with torch.no_grad():
+            for _ in range(50):  # a burst: both ends poll between the calls
+                x = torch.randn(8, 784)
+                assert torch.equal(compiled(x), model(x))
+    time.sleep(0.2)
+    before = _cpu_seconds(pid)
+    time.sleep(2.0)
+    used = _cpu_seconds(pid) - before
+    assert used < 0.3, f"an idle auto-spinning worker used {used:.2f} s of CPU in 2 s"

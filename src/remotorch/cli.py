@@ -64,8 +64,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("remotorch serve: --tls-cert is for TCP; a --unix socket is reachable only on this host",
               file=sys.stderr)
         return 2
-    if args.spin_us < 0:
-        print("remotorch serve: --spin-us must be >= 0", file=sys.stderr)
+    from .config import parse_spin_us
+    try:
+        spin_us = parse_spin_us(args.spin_us, "--spin-us")
+    except ValueError as exc:
+        print(f"remotorch serve: {exc}", file=sys.stderr)
         return 2
     if args.unix and not os.path.isabs(args.unix):
         print(f"remotorch serve: --unix needs an absolute path, got {args.unix!r}", file=sys.stderr)
@@ -92,7 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         server = WorkerServer(worker, args.host, args.port, token, max_message_bytes=args.max_message_bytes,
                               lease_s=args.lease, tls=tls, message_timeout=args.message_timeout,
-                              unix_path=args.unix, spin_s=args.spin_us / 1e6, peer_tls_ca=args.peer_tls_ca)
+                              unix_path=args.unix, spin_s=None if spin_us is None else spin_us / 1e6, peer_tls_ca=args.peer_tls_ca)
     except OSError as exc:
         print(f"remotorch serve: cannot listen: {exc}", file=sys.stderr)
         return 2
@@ -286,10 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CPU threads for graph kernels (default: torch's choice)")
     serve.add_argument("--unix", default=None, metavar="PATH",
                        help="listen on a Unix socket at PATH (clients on this host: unix://PATH) instead of TCP")
-    serve.add_argument("--spin-us", type=float, default=0.0, metavar="US",
+    serve.add_argument("--spin-us", default="auto", metavar="US",
                        help="after each request, busy-poll this many microseconds for the next one before "
-                            "sleeping (lower latency for back-to-back calls, at the cost of a busy core; "
-                            "default 0)")
+                            "sleeping (lower latency for back-to-back calls, at the cost of a busy core); "
+                            "'auto' (the default) polls up to 1000 while requests come back to back, on a "
+                            "machine with more than one CPU; 0: never")
     serve.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without a token")
     serve.add_argument("--price-per-hour", type=float, default=0.0,
                        help="$ per hour of this worker, reported for cost estimates (default 0)")

@@ -12,7 +12,7 @@ class EnvConfig:
 
     url: str | None
     token: str | None
-    spin_us: float = 0.0
+    spin_us: float | None = None  # None: auto
     embedded_transport: str | None = None  # "unix" or "tcp" for the embedded worker (None: unix)
     allow_ops: str | None = None  # custom-operator namespaces the embedded worker allows ("a,b")
     worker_imports: str | None = None  # modules the embedded worker imports to register them ("m,n")
@@ -34,13 +34,7 @@ def from_env() -> EnvConfig:
     naming the variable. ``REMOTORCH_TOKEN`` is also the default token of
     ``remotorch serve``.
     """
-    spin = os.environ.get("REMOTORCH_SPIN_US") or "0"
-    try:
-        spin_us = float(spin)
-        if not spin_us >= 0:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"REMOTORCH_SPIN_US must be a number of microseconds >= 0, got {spin!r}") from None
+    spin_us = parse_spin_us(os.environ.get("REMOTORCH_SPIN_US"), "REMOTORCH_SPIN_US")
     return EnvConfig(url=os.environ.get("REMOTORCH_URL") or None,
                      token=os.environ.get("REMOTORCH_TOKEN") or None, spin_us=spin_us,
                      embedded_transport=os.environ.get("REMOTORCH_EMBEDDED_TRANSPORT") or None,
@@ -49,3 +43,17 @@ def from_env() -> EnvConfig:
                      tls_ca=os.environ.get("REMOTORCH_TLS_CA") or None,
                      progress=(os.environ.get("REMOTORCH_PROGRESS") or "1").strip().lower()
                      not in ("0", "false", "no", "off"))
+
+
+def parse_spin_us(value: str | float | None, what: str) -> float | None:
+    """A spin setting in microseconds: a number >= 0, or ``auto`` (None); ValueError naming ``what``."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto")):
+        return None
+    try:
+        us = float(value)
+        if not us >= 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{what} must be 'auto' or a number of microseconds >= 0, got {value!r}") from None
+    return us
+

@@ -100,7 +100,7 @@ class Connection:
     """
 
     def __init__(self, locate: Locate, *, ids: ContentIds | None = None, connect_timeout: float = 5.0,
-                 timeout: float | None = 300.0, tls_ca: str | None = None, spin_s: float = 0.0,
+                 timeout: float | None = 300.0, tls_ca: str | None = None, spin_s: float | None = 0.0,
                  retry_after: float = 1.0, transport: Transport | None = None) -> None:
         self._locate = locate
         self.ids = ids if ids is not None else ContentIds()

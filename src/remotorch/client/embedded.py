@@ -100,7 +100,7 @@ class EmbeddedWorker:
     """A worker process on this host, owned by this process."""
 
     def __init__(self, device: str = "auto", *, start_timeout: float = 120.0,
-                 transport: str | None = None, spin_us: float = 0.0, allow_ops: Sequence[str] = (),
+                 transport: str | None = None, spin_us: float | None = None, allow_ops: Sequence[str] = (),
                  imports: Sequence[str] = ()) -> None:
         self.token = secrets.token_hex(16)
         transport = transport or "unix"
@@ -118,7 +118,7 @@ class EmbeddedWorker:
                 # the worker shares this machine's cores with the caller: take half, so
                 # neither side's kernel threads spin on cores the other needs
                 "--threads", str(max(1, (os.cpu_count() or 2) // 2))]
-        if spin_us:  # the session busy-polls for replies: the worker for requests, alike
+        if spin_us is not None:  # as the session polls for replies, the worker polls for requests
             args += ["--spin-us", f"{spin_us:g}"]
         if allow_ops:  # custom operators of these libraries (see remotorch serve --allow-ops)
             args += ["--allow-ops", ",".join(allow_ops)]

@@ -24,7 +24,7 @@ import torch
 from .. import errors
 from ..codec import messages as m
 from ..codec.frames import FrameReader
-from ..config import from_env
+from ..config import from_env, parse_spin_us
 from ..transport import Transport
 from .connection import Connection, ContentIds, Graph, Launched
 from .embedded import EmbeddedWorker
@@ -79,10 +79,12 @@ class Session:
     ``tokens`` maps URLs to tokens where they differ from ``token``;
     ``prices`` maps worker names to $ per hour, overriding what workers report.
 
-    ``spin_us`` (default ``REMOTORCH_SPIN_US``, else 0) makes each call
-    busy-poll that many microseconds for its reply before it sleeps: lower
-    latency for calls that answer within the window, at the cost of a busy
-    core meanwhile (pair it with ``remotorch serve --spin-us``).
+    ``spin_us`` (default ``REMOTORCH_SPIN_US``, else ``"auto"``) makes each
+    call busy-poll that many microseconds for its reply before it sleeps:
+    lower latency for calls that answer within the window, at the cost of a
+    busy core meanwhile (``remotorch serve --spin-us`` is the worker's side).
+    ``"auto"`` polls up to 1000 µs, only while replies come within that
+    window and only on a machine with more than one CPU; 0 never polls.
 
     ``keep_outputs`` (default on): a graph output that Python has not read
     stays on the worker, standing here as a ``RemoteTensor``
@@ -122,7 +124,7 @@ class Session:
                  timeout: float | None = 300.0, connect_timeout: float = 5.0,
                  transport: Transport | None = None, retry_after: float = 1.0,
                  tokens: Mapping[str, str] | None = None, prices: Mapping[str, float] | None = None,
-                 tls_ca: str | None = None, spin_us: float | None = None, keep_outputs: bool = True,
+                 tls_ca: str | None = None, spin_us: float | str | None = None, keep_outputs: bool = True,
                  keep_min_bytes: int = 1024, async_calls: bool = False,
                  allow_ops: str | Sequence[str] | None = None,
                  worker_imports: str | Sequence[str] | None = None, progress: bool | None = None) -> None:
@@ -130,15 +132,14 @@ class Session:
         urls = split_urls(url)
         if urls == [None]:
             urls = [env.url]
-        if spin_us is not None and not spin_us >= 0:
-            raise ValueError(f"spin_us must be >= 0, got {spin_us!r}")
+        spin_us = parse_spin_us(spin_us, "spin_us") if spin_us is not None else env.spin_us
         self.device = device
         self.keep_outputs = keep_outputs
         self.keep_min_bytes = keep_min_bytes
         self.async_calls = async_calls
         self._token = token if token is not None else env.token
         self._tokens = dict(tokens or {})
-        self._spin_s = (spin_us if spin_us is not None else env.spin_us) / 1e6
+        self._spin_s = None if spin_us is None else spin_us / 1e6  # None: auto
         self._embedded: EmbeddedWorker | None = None
         self._embedded_transport = env.embedded_transport
         if (allow_ops or worker_imports) and None not in urls:
@@ -192,7 +193,8 @@ class Session:
             if self._closed:
                 raise errors.WorkerUnavailableError("session is closed")
             if self._embedded is None:
-                self._embedded = EmbeddedWorker(self.device, spin_us=self._spin_s * 1e6,
+                spin_us = None if self._spin_s is None else self._spin_s * 1e6
+                self._embedded = EmbeddedWorker(self.device, spin_us=spin_us,
                                                 transport=self._embedded_transport,
                                                 allow_ops=self._embedded_ops[0], imports=self._embedded_ops[1])
             return self._embedded.url, self._embedded.token

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from urllib.parse import urlparse
 
 from ..errors import AuthenticationError, ProtocolError, WorkerUnavailableError
-from .base import Buffer, OnConnect, Transport
+from .base import Buffer, OnConnect, Spin, Transport, poll_until
 from .framing import AuthFailed, FramedChannel, FramingError
 from .handshake import client_handshake
 from .tls import client_context, wrap_client
@@ -43,19 +43,10 @@ def parse_url(url: str) -> tuple[str, int]:
     return parsed.hostname, parsed.port
 
 
-def _spin(channel: FramedChannel, seconds: float) -> None:
-    """Poll for the reply without sleeping, up to ``seconds``: the blocking read that follows finds it here.
-
-    A process woken from sleep pays tens of microseconds (more on a virtual
-    machine); for calls that answer within the window this avoids that.
-    """
-    until = time.perf_counter() + seconds
+def _readable(channel: FramedChannel) -> Callable[[], bool]:
+    """Whether a reply (or part of one) is here: already read, held by TLS, or in the socket."""
     sock = channel.sock
-    while not channel.readable and not select.select([sock], [], [], 0)[0]:
-        if time.perf_counter() >= until:
-            return
-
-
+    return lambda: channel.readable or bool(select.select([sock], [], [], 0)[0])
 
 
 _MAPPED = (socket.timeout, ssl.SSLError, FramingError, OSError, ConnectionError)  # what _mapped() translates
@@ -102,10 +93,10 @@ class TcpTransport(Transport):
     def __init__(self, url: str, token: str | bytes | None = None, *, protocol: int,
                  connect_timeout: float = 5.0, timeout: float | None = 300.0,
                  tls: ssl.SSLContext | None = None, on_connect: OnConnect | None = None,
-                 spin_s: float = 0.0, ticket_id: bytes | None = None) -> None:
+                 spin_s: float | None = 0.0, ticket_id: bytes | None = None) -> None:
         self.url = url
         self._ticket_id = ticket_id  # present this one-time ticket (``token`` is its secret)
-        self.spin_s = max(0.0, spin_s)  # busy-poll this long for a reply before sleeping
+        self.spin = Spin(spin_s)  # busy-poll for a reply before sleeping (None: auto)
         self.host, self.port = parse_url(url)  # (path, -1) for unix://
         if tls is None and url.startswith("tls://"):
             tls = client_context()
@@ -159,9 +150,14 @@ class TcpTransport(Transport):
                   progress: Callable[[int], None] | None = None) -> tuple:
         """One message and its reply on ``channel``; socket errors are the caller's to map."""
         self.bytes_sent += channel.send(header, frames, progress)
-        if self.spin_s:
-            _spin(channel, self.spin_s)
+        spin = self.spin
+        sent = time.perf_counter()
+        if spin.window:
+            window = spin.budget()
+            if window:
+                poll_until(_readable(channel), window)
         reply, out, nbytes = channel.recv()
+        spin.waited(time.perf_counter() - sent)
         self.bytes_received += nbytes
         return reply, out
 

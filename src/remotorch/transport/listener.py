@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from .framing import AuthFailed, FramedChannel, FramingError, MessageTooLarge
+from .base import Spin, poll_until
 from .handshake import accept_handshake
 from .tls import wrap_server
 
@@ -52,14 +53,14 @@ class TcpServer:
                  on_disconnect: Callable[[int], None] | None = None,
                  protocol_error: Callable[[str], bytes] | None = None,
                  tls: ssl.SSLContext | None = None, unix_path: str | None = None,
-                 spin_s: float = 0.0, max_message: int | None = None,
+                 spin_s: float | None = 0.0, max_message: int | None = None,
                  limit_error: Callable[[str], bytes] | None = None,
                  tickets: Callable[[bytes], bytes | None] | None = None,
                  ticket_handler: TicketHandler | None = None) -> None:
         self._handler = handler
         self._tickets = tickets if ticket_handler is not None else None
         self._ticket_handler = ticket_handler
-        self._spin_s = max(0.0, spin_s)  # busy-poll this long for the next message before sleeping
+        self._spin = Spin(spin_s)  # busy-poll for the next message before sleeping (None: auto)
         self._token = (token or "").encode()
         self._protocol = protocol
         self._max_frame = max_frame
@@ -195,21 +196,26 @@ class TcpServer:
                 log.debug("connection %d closed while its reply was sent: %s", cid, exc)
 
     def _wait(self, sel: selectors.BaseSelector, timeout: float | None) -> list:
-        """The selector's events; with ``spin_s``, polled without sleeping that long first.
+        """The selector's events, polled without sleeping first while the spin policy says so.
 
         Waking a sleeping process costs tens of microseconds (much more on a
         virtual machine, where an idle vCPU is halted); a client that sends
         its next request within the spin window finds the loop awake.
         """
-        if self._spin_s:
-            until = time.perf_counter() + self._spin_s
-            while True:
-                events = sel.select(0)
-                if events or time.perf_counter() >= until:
-                    break
-            if events:
-                return events
-        return sel.select(timeout)
+        spin = self._spin
+        if not spin.window:
+            return sel.select(timeout)
+        start = time.perf_counter()
+        window = spin.budget()
+        if window and (timeout is None or timeout > 0):
+            found: list = []
+            if poll_until(lambda: found.extend(sel.select(0)) or found, window):
+                spin.waited(time.perf_counter() - start)
+                return found
+        events = sel.select(timeout)
+        if events:
+            spin.waited(time.perf_counter() - start)
+        return events
 
     def _drop_stalled(self, sel: selectors.BaseSelector) -> None:
         """Close connections stalled over ``message_timeout``: mid-message, or not taking a reply."""

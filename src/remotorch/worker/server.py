@@ -23,7 +23,7 @@ class WorkerServer:
                  token: str | None = None, *, max_frame_bytes: int = 1 << 38,
                  max_message_bytes: int | None = None, lease_s: float = 30.0,
                  tls: ssl.SSLContext | None = None, message_timeout: float = 60.0,
-                 unix_path: str | None = None, spin_s: float = 0.0, peer_tls_ca: str | None = None) -> None:
+                 unix_path: str | None = None, spin_s: float | None = 0.0, peer_tls_ca: str | None = None) -> None:
         self.worker = worker
         if max_message_bytes is not None:  # no single frame may exceed the whole message either
             max_frame_bytes = min(max_frame_bytes, max_message_bytes)
