@@ -20,9 +20,11 @@ logits), all without gradients. The systems:
 - **Ray**: a local Ray (2 CPUs, no dashboard, token authentication on), one
   actor holding the models: ``ray.get(actor.forward.remote(name, x))``.
 - **remotorch**: ``remotorch.compile(model, fallback="raise")`` on a
-  ``remotorch serve`` worker over ``tcp://``, over ``unix://``, and over
-  ``tcp://`` with both ends busy-polling (``serve --spin-us``,
-  ``Session(spin_us=)``).
+  ``remotorch serve`` worker over ``tcp://`` and over ``unix://`` with the
+  defaults (both ends busy-poll ``auto``: up to 1 ms while calls come back
+  to back), and over ``tcp://`` with a fixed window on both ends
+  (``serve --spin-us``, ``Session(spin_us=)``; ``--spin-us``, default 0:
+  polling off, so the run shows what ``auto`` buys).
 
 Every process does its intra-op work on one thread (``torch.set_num_threads(1)``,
 ``--threads 1``). Calls are timed one by one in interleaved rounds: within each
@@ -52,7 +54,7 @@ on failure and Ctrl-C too.
 
 Usage::
 
-    python benchmarks/peers.py [--runs 3] [--quick] [--json [PATH]] [--spin-us 50]
+    python benchmarks/peers.py [--runs 3] [--quick] [--json [PATH]] [--spin-us 0]
 
 ``--json`` alone prints the figures as JSON on standard output (the report
 goes to standard error); ``--json PATH`` writes them there.
@@ -147,11 +149,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_worker(stack: contextlib.ExitStack, token: str, listen: list[str], spin_us: float = 0):
+def start_worker(stack: contextlib.ExitStack, token: str, listen: list[str], spin_us: float | None = None):
     """A real ``remotorch serve`` with one intra-op thread; stopped when ``stack`` closes."""
     args = [*listen, "--threads", "1", "--token", token, "--name", "peers", "--device", "cpu",
             "--exit-on-stdin-close"]
-    if spin_us:
+    if spin_us is not None:  # else the default, auto
         args += ["--spin-us", f"{spin_us:g}"]
     worker = spawn_worker(args, env=dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"),
                           stdin=subprocess.PIPE)
@@ -212,8 +214,8 @@ class Systems:
         stack.callback(lambda: (os.path.exists(sock) and os.unlink(sock), os.rmdir(scratch)))
         sock = os.path.join(scratch, "worker.sock")
         urls: dict[str, str] = {}
-        starts = {"remotorch tcp": (["--host", "127.0.0.1", "--port", "0"], 0),
-                  "remotorch unix": (["--unix", sock], 0),
+        starts = {"remotorch tcp": (["--host", "127.0.0.1", "--port", "0"], None),
+                  "remotorch unix": (["--unix", sock], None),
                   "remotorch tcp spin": (["--host", "127.0.0.1", "--port", "0"], self.spin_us)}
         errors: list[BaseException] = []
 
@@ -392,7 +394,7 @@ def print_run(i: int, run: dict, spin_us: float) -> None:
         f"{'worker graph µs':>16s}")
     for name in NAMES:
         for system, r in run[name]["rows"].items():
-            label = system.replace("spin", f"spin {spin_us:g}µs")
+            label = system.replace("spin", f"spin {spin_us:g}µs" if spin_us else "no polling")
             graph = f"{r['worker_graph_mean_us']:16.1f}" if "worker_graph_mean_us" in r else ""
             say(f"  {label:24s} {name:6s} {r['median_us']:10.1f} {r['p99_us']:10.1f} {r['vs_local']:8.2f} "
                 f"{r['p99_us'] / r['median_us']:8.2f} {graph}")
@@ -444,7 +446,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a smoke test: a few calls per system, one run")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write every figure as JSON to PATH (alone: to standard output, the report to stderr)")
-    p.add_argument("--spin-us", type=float, default=50.0, help="busy-poll window of the spinning remotorch pair")
+    p.add_argument("--spin-us", type=float, default=0.0,
+                   help="fixed busy-poll window of the third remotorch pair (default 0: polling off, "
+                        "against the other two's default, auto)")
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error("--runs must be at least 1")
