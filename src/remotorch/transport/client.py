@@ -152,10 +152,9 @@ class TcpTransport(Transport):
         self.bytes_sent += channel.send(header, frames, progress)
         spin = self.spin
         sent = time.perf_counter()
-        if spin.window:
-            window = spin.budget()
-            if window:
-                poll_until(_readable(channel), window)
+        window = spin.budget()
+        if window:
+            poll_until(_readable(channel), window)
         reply, out, nbytes = channel.recv()
         spin.waited(time.perf_counter() - sent)
         self.bytes_received += nbytes
