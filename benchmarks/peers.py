@@ -12,6 +12,12 @@ logits), all without gradients. The systems:
   bytes in, ``torch.frombuffer``, the model, the output's raw bytes out; no
   framing beyond fixed sizes, no authentication. What moving the bytes and
   computing costs.
+- **floor compiled** (a diagnostic, not a peer): the floor called through
+  ``torch.compile`` with a backend that only sends the graph's input to the
+  floor server and returns its reply. It is what torch.compile's own
+  per-call runtime (Dynamo's guards, the frame, gathering the parameters as
+  graph inputs) adds to the floor, with nothing of remotorch in it: the part
+  of remotorch's overhead that any ``torch.compile`` backend pays.
 - **pickle/zmq**: pickle over pyzmq REQ/REP, done fast (protocol 5, tensor
   bytes as zero-copy out-of-band frames); it unpickles whatever it is sent.
 - **torch RPC**: ``torch.distributed.rpc`` over loopback (world size 2, the
@@ -38,7 +44,8 @@ because it is wrong or because it skipped the bytes.
 Printed per model: each system's median and p99 (µs) and its ratio to local
 (for remotorch also the worker's own mean graph time, from ``Session.stats()``);
 remotorch / best peer (the best of pickle/zmq, torch RPC and Ray) and
-(remotorch - local) / (floor - local). Targets (issue 14), judged on
+(remotorch - local) / (floor - local); and how much of the gap to the
+floor is torch.compile's own (floor compiled / floor). Targets (issue 14), judged on
 remotorch over TCP, on the median of the runs' values (``--runs 3``):
 
 - MLP: remotorch <= 0.5 x the best peer;
@@ -93,7 +100,7 @@ from _peers.servers import ModelActor, pack, unpack  # noqa: E402
 
 PEERS = ("pickle/zmq", "torch RPC", "Ray")
 REMOTORCH = ("remotorch tcp", "remotorch unix", "remotorch tcp spin")
-SYSTEMS = ("local", "floor", *PEERS, *REMOTORCH)
+SYSTEMS = ("local", "floor", "floor compiled", *PEERS, *REMOTORCH)
 PEER_TARGET = 0.5  # remotorch / best peer, MLP, TCP
 FLOOR_OVERHEAD_TARGET = 2.0  # (remotorch - local) / (floor - local), MLP
 FLOOR_TARGET = 1.1  # remotorch / floor, GPT-2
@@ -251,7 +258,7 @@ class Systems:
         req.connect(f"tcp://127.0.0.1:{self.zmq_port}")
         self.stack.callback(req.close, 0)
         rref, actor = self.rrefs[name], self.actor
-        probes = {"local": model, "floor": floor.call,
+        probes = {"local": model, "floor": floor.call, "floor compiled": floor_compiled(model, floor),
                   "pickle/zmq": lambda x: zmq_call(req, name, x),
                   "torch RPC": lambda x: rref.rpc_sync().forward(x),
                   "Ray": lambda x: self.ray.get(actor.forward.remote(name, x))}
@@ -285,6 +292,28 @@ class FloorClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def floor_compiled(model: torch.nn.Module, floor: FloorClient) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``model`` under ``torch.compile`` with a backend that calls the floor: the floor plus Dynamo's per-call cost.
+
+    Dynamo hands the backend the module's parameters as graph inputs
+    (``nn.Parameter``) beside the caller's one tensor; the backend sends that
+    tensor to the floor server, as the floor row does, and returns the reply
+    as the graph's output. One graph per model (no graph breaks), else an
+    AssertionError.
+    """
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        graphs.append(gm)
+        inputs = [i for i, t in enumerate(example_inputs) if type(t) is torch.Tensor]
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        if len(graphs) > 1 or len(inputs) != 1 or not isinstance(outputs, (tuple, list)) or len(outputs) != 1:
+            raise AssertionError("floor compiled: the model must be one graph of one input and one output")
+        (i,) = inputs
+        return lambda *args: (floor.call(args[i]),)
+    return torch.compile(model, backend=backend, fullgraph=True)
 
 
 def zmq_call(sock, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -339,13 +368,14 @@ def ratios(rows: dict[str, dict]) -> dict:
     med = {s: r["median_us"] for s, r in rows.items()}
     best = min(PEERS, key=lambda s: med[s])
     floor_extra = med["floor"] - med["local"]
-    out = {"best_peer": best, "best_peer_us": med[best]}
+    out = {"best_peer": best, "best_peer_us": med[best], "compiled_floor_vs_floor": med["floor compiled"] / med["floor"]}
     for system in REMOTORCH:
         # None where the floor measured no slower than local (compute-bound GPT-2, noise): no ratio
         out[system] = {"vs_best_peer": med[system] / med[best],
                        "overhead_vs_floor_overhead": (med[system] - med["local"]) / floor_extra
                        if floor_extra > 0 else None,
                        "vs_floor": med[system] / med["floor"],
+                       "vs_compiled_floor": med[system] / med["floor compiled"],
                        "p99_over_median": rows[system]["p99_us"] / med[system]}
     return out
 
@@ -401,12 +431,14 @@ def print_run(i: int, run: dict, spin_us: float) -> None:
         say("")
     for name in NAMES:
         rt = run[name]["ratios"]
-        say(f"  {name}: best peer {rt['best_peer']} ({rt['best_peer_us']:.1f} µs)")
+        say(f"  {name}: best peer {rt['best_peer']} ({rt['best_peer_us']:.1f} µs); "
+            f"floor compiled / floor {rt['compiled_floor_vs_floor']:.2f}")
         for system in REMOTORCH:
             q = rt[system]
             over = q["overhead_vs_floor_overhead"]
             say(f"    {system:20s} / best peer {q['vs_best_peer']:5.2f}   (- local) / (floor - local) "
-                f"{'n/a' if over is None else f'{over:.2f}':>6s}   / floor {q['vs_floor']:5.2f}")
+                f"{'n/a' if over is None else f'{over:.2f}':>6s}   / floor {q['vs_floor']:5.2f}   "
+                f"/ floor compiled {q['vs_compiled_floor']:5.2f}")
 
 
 def judge(runs: list[dict]) -> list[dict]:
@@ -437,6 +469,23 @@ def print_targets(targets: list[dict], n_runs: int) -> None:
             f"{'PASS' if t['pass'] else 'FAIL'}")
     say("  bulk (256 MB round trip >= 0.8 x raw TCP) and wire bytes per warm call (<= tensors + 1 KiB):\n"
         "    not re-measured here; benchmarks/overhead.py measures both and exits 1 on a miss")
+
+
+def shares(runs: list[dict]) -> dict:
+    """Per model, the median over runs of torch.compile's share (floor compiled / floor) and of remotorch's own."""
+    rt = "remotorch tcp"
+    return {name: {"compiled_floor_vs_floor": statistics.median(r[name]["ratios"]["compiled_floor_vs_floor"]
+                                                                 for r in runs),
+                   "remotorch_vs_compiled_floor": statistics.median(r[name]["ratios"][rt]["vs_compiled_floor"]
+                                                                     for r in runs)}
+            for name in NAMES}
+
+
+def print_shares(share: dict) -> None:
+    say("\nWhose overhead (no targets; the median of the runs):")
+    for name, q in share.items():
+        say(f"  {name:6s} floor compiled / floor {q['compiled_floor_vs_floor']:5.2f} (torch.compile's own per-call "
+            f"cost)   remotorch tcp / floor compiled {q['remotorch_vs_compiled_floor']:5.2f} (remotorch's)")
 
 
 # -------------------------------------------------------------------------------- main
@@ -487,12 +536,14 @@ def main(argv=None) -> int:
         systems.close()
     targets = judge(runs)
     print_targets(targets, runs_n)
+    share = shares(runs)
+    print_shares(share)
     passed = all(t["pass"] for t in targets)
     wall = time.perf_counter() - start
     say(f"\ntotal wall time {wall:.1f} s; " + ("all targets met" if passed else
         "FAIL: missed " + "; ".join(t["name"] for t in targets if not t["pass"])))
     result = {"systems": list(SYSTEMS), "models": {n: describe(n) for n in NAMES}, "spin_us": args.spin_us,
-              "quick": args.quick, "plans": plans, "runs": runs, "matched": matched, "targets": targets,
+              "quick": args.quick, "plans": plans, "runs": runs, "matched": matched, "targets": targets, "shares": share,
               "passed": passed, "bulk_and_wire": "benchmarks/overhead.py", "wall_s": wall}
     if args.json == "-":
         json.dump(result, sys.stdout, indent=1)

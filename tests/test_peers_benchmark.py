@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"
-SYSTEMS = {"local", "floor", "pickle/zmq", "torch RPC", "Ray", "remotorch tcp", "remotorch unix",
+SYSTEMS = {"local", "floor", "floor compiled", "pickle/zmq", "torch RPC", "Ray", "remotorch tcp", "remotorch unix",
            "remotorch tcp spin"}
 MODELS = {"mlp", "block", "gpt2"}
 
@@ -47,7 +47,10 @@ def test_quick_run_reports_every_system_and_model_with_matching_outputs():
             assert rows[model]["rows"][system]["worker_graph_mean_us"] > 0
         ratios = rows[model]["ratios"]
         assert ratios["best_peer"] in ("pickle/zmq", "torch RPC", "Ray")
-        assert all(math.isfinite(ratios["remotorch tcp"][k]) for k in ("vs_best_peer", "vs_floor"))
+        assert all(math.isfinite(ratios["remotorch tcp"][k]) for k in ("vs_best_peer", "vs_floor", "vs_compiled_floor"))
+        assert ratios["compiled_floor_vs_floor"] > 0
+        share = data["shares"][model]
+        assert share["compiled_floor_vs_floor"] > 0 and share["remotorch_vs_compiled_floor"] > 0
         # every system's output was checked against local after warm-up and after each round
         matched = data["matched"][model]
         assert set(matched) == SYSTEMS
