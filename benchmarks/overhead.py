@@ -38,8 +38,10 @@ computed from figures of that same run:
    target <= inputs + outputs + 1 KiB.
 6. Bulk: a 256 MB float32 tensor sent to the worker and back with
    ``session.echo`` vs the same over raw TCP into a reused buffer;
-   GB/s = 2 x size / time, best and median of 3; target remotorch/raw >= 0.8
-   (judged on the best run, the least disturbed by other load). For
+   GB/s = 2 x size / time, best and median of 5 interleaved runs (3 with
+   ``--quick``); target remotorch/raw >= 0.8 (judged on the best run, the
+   least disturbed by other load: on a shared host one 256 MB round trip
+   of the same code varies 2-4x from run to run, raw TCP's too). For
    information, the same through pyzmq REQ/REP with ``copy=False`` (the
    figure behind docs/protocol.md section 16), a 256 MB ``x + 1`` graph
    run remotely vs locally, and the time of the four Poly1305 passes that
@@ -585,7 +587,7 @@ def run(args: argparse.Namespace, children: list[Child], scratch: str) -> dict:
         results |= print_latency(latency)
         results |= print_wire(latency["wire"])
         results["bulk"] = measure_bulk(session, raw_port, int(zmq_srv.value), 64 if args.quick else 256,
-                                       repeats=3)
+                                       repeats=3 if args.quick else 5)
         results |= print_bulk(results["bulk"])
     return results
 
