@@ -40,7 +40,7 @@ from ..codec.frames import SCALARS, FrameReader, FrameWriter
 from ..transport import TcpTransport, Transport
 from ..transport.tls import client_context
 from .handles import HandleTable
-from .remote import RemoteTensor, arg_of, placeholder, plain, remote_ref
+from .remote import RemoteTensor, arg_of, keep_values, placeholder, plain, remote_ref
 from .ids import ContentIds
 from .reuse import InputReuse
 
@@ -127,6 +127,9 @@ class Connection:
         self._heartbeat_stop = threading.Event()
         self._closed = False
         self.on_reset: list[Callable[[], None]] = []  # called when the worker lost this session
+        # called before the session ends with fetch (training brings parameters and optimizer state here)
+        self.before_close: list[Callable[[], None]] = []
+        self._closed_why = "session is closed"
         self.handles = HandleTable()  # values the worker keeps for this session, by id
         # contributors of deferred housekeeping (training: slots, optimizers…): each returns
         # a dict of Pending fields to add, or None
@@ -145,7 +148,7 @@ class Connection:
     def transport(self) -> Transport:
         """The transport, created (not connected) on first use."""
         if self._closed:
-            raise errors.WorkerUnavailableError("session is closed")
+            raise errors.WorkerUnavailableError(self._closed_why)
         if self._transport is None:
             url, token = self._locate()
             self.url = url
@@ -164,9 +167,17 @@ class Connection:
         """True while a connection to the worker is open (no I/O)."""
         return self._transport is not None and self._transport.connected
 
-    def close(self, detach: bool = True) -> None:
-        """End the worker-side session (``detach``: free what it holds now, not after the lease) and close."""
+    def close(self, detach: bool = True, fetch: bool = False) -> None:
+        """End the worker-side session (``detach``: free what it holds now, not after the lease) and close.
+
+        ``fetch``: first bring here every value the worker keeps for a
+        placeholder Python still holds, and whatever ``before_close`` hooks
+        keep (trained parameters, optimizer state), so nothing Python holds
+        becomes unreadable. Without it, such values are dropped with the session.
+        """
         with self.lock:
+            if fetch and not self._closed and self.connected:
+                self._keep_before_close()
             self._heartbeat_stop.set()
             if detach and not self._closed and self.connected:
                 try:
@@ -174,9 +185,23 @@ class Connection:
                     self._transport.request(m.encode(m.Detach()))
                 except errors.RemoteError:
                     pass
+            if not fetch and not self._closed:
+                self._closed_why = ("session is closed and its values were dropped "
+                                    "(it was closed with fetch=False)")
             self._closed = True
             if self._transport is not None:
                 self._transport.close()
+
+    def _keep_before_close(self) -> None:
+        for hook in self.before_close:
+            try:
+                hook()
+            except errors.RemoteError as exc:
+                log.warning("%r: could not keep worker state before the session ended: %s", self, exc)
+        try:
+            keep_values(self)
+        except errors.RemoteError as exc:
+            log.warning("%r: values could not be fetched before the session ended: %s", self, exc)
 
     def drop(self) -> None:
         """Close the socket only; the next request reconnects and re-attaches (the lease keeps the session)."""
@@ -397,12 +422,17 @@ class Connection:
 
     def fetch(self, arg: m.HandleArg | m.ViewArg) -> torch.Tensor:
         """The tensor of a handle (or a view of one) this worker keeps; it stays there."""
+        return self.fetch_many([arg])[0]
+
+    def fetch_many(self, args: Sequence[m.HandleArg | m.ViewArg]) -> list[torch.Tensor]:
+        """The tensors of several handles (or views), in one request; they stay on the worker."""
         with self.lock:
-            reply, frames = self.request(m.Fetch([arg]))
-            self.stats["values_fetched"] += 1
-        if not isinstance(reply, m.FetchReply) or len(reply.values) != 1:
-            raise errors.ProtocolError("worker answered a fetch with the wrong reply")
-        return FrameReader(frames).tensor(reply.values[0])
+            reply, frames = self.request(m.Fetch(list(args)))
+            if not isinstance(reply, m.FetchReply) or len(reply.values) != len(args):
+                raise errors.ProtocolError("worker answered a fetch with the wrong reply")
+            self.stats["values_fetched"] += len(args)
+        reader = FrameReader(frames)
+        return [reader.tensor(meta) for meta in reply.values]
 
     def unpack(self, graph: Graph, outputs: list, frames: list) -> list:
         """A reply's outputs: tensors sent back, on the devices the graph's outputs live on; kept

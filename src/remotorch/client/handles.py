@@ -11,6 +11,7 @@ the worker (:mod:`remotorch.client.remote`) share this id space.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 
 
@@ -22,6 +23,8 @@ class HandleTable:
         self._lock = threading.Lock()
         self._released: deque[int] = deque()
         self._live: set[int] = set()  # handles the worker holds for us now
+        # values standing here for handles (client.remote.RemoteRef), while something holds them
+        self._values: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def reserve(self, n: int) -> int:
         """The first of ``n`` fresh, consecutive handle ids."""
@@ -40,6 +43,14 @@ class HandleTable:
         """The worker may drop ``hid`` (safe from garbage collection, on any thread: set and deque ops only)."""
         self._live.discard(hid)
         self._released.append(hid)
+
+    def track(self, value) -> None:
+        """Remember a local stand-in for handle ``value.handle`` while it lives (see :meth:`values`)."""
+        self._values[value.handle] = value
+
+    def values(self) -> list:
+        """The stand-ins of handles still held here (to fetch them all before the session ends)."""
+        return list(self._values.values())
 
     @property
     def live(self) -> int:

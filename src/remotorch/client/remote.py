@@ -32,6 +32,7 @@ dies (the release rides on the next request of its connection).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import weakref
@@ -46,20 +47,26 @@ from ..codec import messages as m
 from ..codec.tensors import dtype_from_name
 
 Tensor = torch.Tensor
+log = logging.getLogger(__name__)
 
 
 class Connection(Protocol):
     """What a placeholder needs of the connection to its worker (``client.connection.Connection``)."""
 
-    handles: object  # a HandleTable: released handles are queued there
+    handles: object  # a HandleTable: released handles are queued there, live values tracked
 
     def fetch(self, arg: m.HandleArg | m.ViewArg) -> torch.Tensor: ...
+
+    def fetch_many(self, args: list) -> list[torch.Tensor]: ...
+
+    def settle(self, until=None) -> None: ...
 
 
 class RemoteRef:
     """One worker handle, owned by the placeholders (and views) that stand for it."""
 
-    __slots__ = ("handle", "conn", "graph", "index", "copies", "launched", "recompute", "__weakref__")
+    __slots__ = ("handle", "conn", "graph", "index", "copies", "launched", "recompute", "root", "views",
+                 "__weakref__")
 
     def __init__(self, handle: int, conn: Connection, graph=None, index: int = -1, launched=None) -> None:
         self.handle = handle
@@ -69,6 +76,8 @@ class RemoteRef:
         self.index = index
         self.copies: dict[int, tuple] = {}  # id(connection) -> (connection, handle of a copy moved there)
         self.recompute: Recompute | None = None  # how to make the value here if its worker is gone
+        self.root: weakref.ref | None = None  # the placeholder of the whole value (its views hold it)
+        self.views: list[weakref.ref] = []  # lazy views of it (they share its local buffer)
 
     def __del__(self) -> None:
         # runs in garbage collection, on any thread: only queue appends
@@ -242,8 +251,34 @@ def _eager(func, args, kwargs):
         with torch._C.DisableTorchFunctionSubclass():
             plain = args[0].as_subclass(Tensor)
         return func(plain, *args[1:], **kwargs)
+    return _call_plain(func, args, kwargs)
+
+
+def _call_plain(func, args, kwargs):
+    """``func(*args, **kwargs)`` as a plain torch call (this subclass's torch function off).
+
+    Under a dispatch mode the placeholders go in as plain aliases of
+    themselves (same storage, same version counter): aot_autograd analyses
+    the first call of a compiled function under a mode that refuses tensor
+    subclasses it does not know, and its runtime works on graph outputs
+    (``_unsafe_view``, alias regeneration) inside that mode. An alias that
+    comes back (an in-place op returns its input) is the original object again.
+    """
     with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
+        if not torch._C._len_torch_dispatch_stack():
+            return func(*args, **kwargs)
+        originals: dict[int, Tensor] = {}
+
+        def unwrap(a):
+            if type(a) is not RemoteTensor:
+                return a
+            p = a.as_subclass(Tensor)
+            originals[id(p)] = a
+            return p
+
+        args, kwargs = tree_map(unwrap, (args, kwargs))
+        out = func(*args, **kwargs)
+        return tree_map(lambda o: originals.get(id(o), o), out)
 
 
 _EAGER: list = []
@@ -287,8 +322,7 @@ def _lazy_view(func, src: RemoteTensor, args, kwargs):
     if not mouts or not all(isinstance(o, Tensor) and o is not twin and torch._C._is_alias_of(o, twin)
                             for o in mouts):
         return NotImplemented
-    with torch._C.DisableTorchFunctionSubclass():
-        out = func(*args, **kwargs)  # metadata only: a view of the unwritten local buffer
+    out = _call_plain(func, args, kwargs)  # metadata only: a view of the unwritten local buffer
     ref = src.__dict__["_rt_ref"]
     root = src.__dict__.get("_rt_base", src)
     base_off = (src.__dict__.get("_rt_view") or (None, None, 0))[2]
@@ -302,6 +336,7 @@ def _lazy_view(func, src: RemoteTensor, args, kwargs):
         r._rt_ref = ref
         r._rt_base = root
         r._rt_view = (list(v.shape), list(v.stride()), v.storage_offset() - origin)
+        ref.views.append(weakref.ref(r))
         return r
 
     return tree_map(wrap, out)
@@ -316,18 +351,73 @@ def placeholder(conn: Connection, kept: m.KeptArg, device: torch.device | None, 
     buf = torch.empty_strided(kept.shape, kept.strides, dtype=dtype_from_name(kept.dtype),
                               device=device if device is not None else "cpu")
     t = torch.Tensor._make_subclass(RemoteTensor, buf, False)
-    t._rt_ref = RemoteRef(kept.id, conn, weakref.ref(graph) if graph is not None else None, index, launched)
+    ref = t._rt_ref = RemoteRef(kept.id, conn, weakref.ref(graph) if graph is not None else None, index, launched)
+    ref.root = weakref.ref(t)
+    conn.handles.track(ref)
     return t
 
 
 def fill(t: RemoteTensor, value: Tensor) -> None:
-    """Make a placeholder an ordinary tensor holding ``value`` (its call sent it back after all)."""
+    """Make a placeholder an ordinary tensor holding ``value`` (its call sent it back after all);
+    its views, which share its buffer, become ordinary too."""
     with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass(), torch.no_grad(), \
             torch.autograd._unsafe_preserve_version_counter(t):
         t.copy_(value)
     ref = t.__dict__.pop("_rt_ref", None)
     if ref is not None:
         ref.launched = None
+        for view in ref.views:
+            v = view()
+            if v is not None:
+                for key in ("_rt_ref", "_rt_base", "_rt_view"):
+                    v.__dict__.pop(key, None)
+
+
+def keep_values(conn: Connection, batch_bytes: int = 1 << 30, batch_count: int = 4096) -> int:
+    """Fetch every value this connection's worker still keeps for placeholders Python holds.
+
+    Before a session ends: from then on they are ordinary tensors here and
+    never become unreadable. One ``Fetch`` per batch (up to ``batch_count``
+    values or ``batch_bytes``); a batch the worker cannot answer whole (a
+    value it lost) is retried one value at a time, and what still fails stays
+    a placeholder that raises its typed error when read. Returns how many
+    values were fetched.
+    """
+    todo = []
+    for ref in conn.handles.values():
+        t = ref.root() if ref.root is not None else None
+        if t is None or t.__dict__.get("_rt_ref") is not ref:
+            continue
+        try:
+            ref.check()  # an asynchronous call still making it: wait for it (and skip it if it failed)
+        except errors.RemoteError:
+            continue
+        todo.append(t)
+    if not todo:
+        return 0
+    log.debug("fetching %d value(s) from %r before the session ends", len(todo), conn)
+    done, batch, size = 0, [], 0
+    for t in todo:
+        batch.append(t)
+        size += t.nbytes
+        if len(batch) >= batch_count or size >= batch_bytes:
+            done += _fetch_into(conn, batch)
+            batch, size = [], 0
+    return done + (_fetch_into(conn, batch) if batch else 0)
+
+
+def _fetch_into(conn: Connection, placeholders: list) -> int:
+    try:
+        values = conn.fetch_many([m.HandleArg(t.__dict__["_rt_ref"].handle) for t in placeholders])
+    except errors.RemoteError as exc:
+        if len(placeholders) == 1 or isinstance(exc, (errors.TransportError, errors.WorkerUnavailableError)):
+            log.warning("%d value(s) on %r could not be fetched before the session ended: %s",
+                        len(placeholders), conn, exc)
+            return 0
+        return sum(_fetch_into(conn, [t]) for t in placeholders)
+    for t, value in zip(placeholders, values):
+        fill(t, value)
+    return len(placeholders)
 
 
 def remote_ref(t) -> RemoteRef | None:

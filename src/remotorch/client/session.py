@@ -107,6 +107,15 @@ class Session:
     ``remotorch serve --allow-ops`` says. A graph calling an operator its
     worker does not allow is never uploaded: it runs locally or raises.
 
+    ``fetch_on_close`` (default on): closing the session (or leaving its
+    ``with`` block) first brings here, in one batched request per worker,
+    every value still on a worker that Python holds, the parameters a
+    worker-side optimizer trained and that optimizer's state, so results
+    stay readable after the block that made them, as in plain PyTorch.
+    ``close(fetch=False)``, or ``fetch_on_close=False``, drops them instead:
+    reading one then raises ``WorkerUnavailableError``. Values whose worker
+    died raise their typed error either way.
+
     ``progress``: uploads of 64 MiB or more show a progress bar on stderr
     when it is a terminal (None, the default; ``REMOTORCH_PROGRESS=0`` or a
     ``remotorch`` logger set above ``WARNING`` turns that off), always
@@ -127,7 +136,8 @@ class Session:
                  tls_ca: str | None = None, spin_us: float | str | None = None, keep_outputs: bool = True,
                  keep_min_bytes: int = 1024, async_calls: bool = False,
                  allow_ops: str | Sequence[str] | None = None,
-                 worker_imports: str | Sequence[str] | None = None, progress: bool | None = None) -> None:
+                 worker_imports: str | Sequence[str] | None = None, progress: bool | None = None,
+                 fetch_on_close: bool = True) -> None:
         env = from_env()
         urls = split_urls(url)
         if urls == [None]:
@@ -136,6 +146,7 @@ class Session:
         self.device = device
         self.keep_outputs = keep_outputs
         self.keep_min_bytes = keep_min_bytes
+        self.fetch_on_close = fetch_on_close
         self.async_calls = async_calls
         self._token = token if token is not None else env.token
         self._tokens = dict(tokens or {})
@@ -172,8 +183,19 @@ class Session:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def close(self) -> None:
-        """End the session on every worker and stop the embedded worker if this session started one."""
+    def close(self, fetch: bool | None = None) -> None:
+        """End the session on every worker and stop the embedded worker if this session started one.
+
+        ``fetch`` (default: the session's ``fetch_on_close``) first brings
+        here what Python still holds of the workers' values (see the class
+        docstring); closing twice does nothing.
+        """
+        fetch = self.fetch_on_close if fetch is None else fetch
+        with self._lock:
+            if self._closed:
+                return
+        for conn in self.pool.opened:
+            conn.close(fetch=fetch)
         with self._lock:
             self._closed = True
             self.pool.close()

@@ -25,8 +25,8 @@ from ..errors import UnsupportedGraphError
 from .messages import TensorMeta
 from .frames import FrameWriter
 from .ops import IDENT as _IDENT
-from .ops import (CORE_NAMESPACES, check_call, custom_ops, getitem_kind, output_kind,  # noqa: F401
-                  resolve_target, target_name)
+from .ops import (BUILTINS, CORE_NAMESPACES, OP_ARGUMENT, check_builtin, check_call,  # noqa: F401
+                  custom_ops, getitem_kind, output_kind, resolve_target, target_name)
 from .tensors import DTYPE_NAMES, dtype_from_name, dtype_name
 
 DOC_FORMAT = 1
@@ -59,6 +59,8 @@ def _encode_value(v, names: dict[torch.fx.Node, str], depth: int = 0):
         return {"$mf": str(v).removeprefix("torch.")}
     if isinstance(v, complex):
         return {"$c": [v.real, v.imag]}
+    if isinstance(v, torch._ops.OpOverload):  # the operator a higher-order operator runs
+        return {"$op": target_name(v)}
     raise UnsupportedGraphError(f"argument of type {type(v).__name__} cannot travel on the wire")
 
 
@@ -235,22 +237,60 @@ def decode_graph(doc: bytes, consts: list[torch.Tensor], device: torch.device,
 
 def _decode_call(graph: torch.fx.Graph, spec: dict, i: int, env: dict, device: torch.device,
                  allowed: frozenset[str], kinds: dict) -> torch.fx.Node:
-    """One ``call`` node: its target resolved, its arguments decoded (and, for a custom
-    operator, checked against the schema), what it produces noted in ``kinds``."""
-    target = resolve_target(str(spec.get("target")), allowed)
-    args = _decode_value(spec.get("args", []), env, device)
-    kwargs = spec.get("kwargs", {})
-    if not isinstance(args, list) or not isinstance(kwargs, dict):
+    """One ``call`` node: its target resolved, its arguments decoded and checked (custom
+    operators against their schemas, builtins against their arity and operand kinds), what
+    it produces noted in ``kinds``."""
+    name = str(spec.get("target"))
+    target = resolve_target(name, allowed)
+    raw, kwargs = spec.get("args", []), spec.get("kwargs", {})
+    if not isinstance(raw, list) or not isinstance(kwargs, dict):
         raise UnsupportedGraphError(f"graph node {i} has malformed arguments")
+    inner, at = None, OP_ARGUMENT.get(name)
+    if at is not None:  # a higher-order operator: one argument names the operator it runs
+        inner = _operator_argument(raw, at, i, allowed)
+        raw = raw[:at] + raw[at + 1:]
+    args = _decode_value(raw, env, device)
     kw = {str(k): _decode_value(x, env, device) for k, x in kwargs.items()
           if isinstance(k, str) and _IDENT.match(k)}
     if len(kw) != len(kwargs):
         raise UnsupportedGraphError(f"graph node {i} has a malformed keyword")
-    if isinstance(target, torch._ops.OpOverload) and target.namespace not in CORE_NAMESPACES:
-        check_call(target, tuple(args), kw, kinds)
-    node = graph.call_function(target, tuple(args), kw)
-    if target is operator.getitem and len(args) == 2 and isinstance(args[0], torch.fx.Node):
-        kinds[node] = getitem_kind(kinds.get(args[0], "unknown"), args[1])
+    if inner is not None:
+        kind = _check_higher_order(name, inner, args, kw, kinds)
+        args.insert(at, inner)
+    elif isinstance(target, torch._ops.OpOverload):
+        if target.namespace not in CORE_NAMESPACES:
+            check_call(target, tuple(args), kw, kinds)
+        kind = output_kind(target)
     else:
-        kinds[node] = output_kind(target)
+        check_builtin(name, tuple(args), kw, kinds)
+        kind = getitem_kind(kinds.get(args[0], "unknown"), args[1]) if name == "op:getitem" else "scalar"
+    node = graph.call_function(target, tuple(args), kw)
+    kinds[node] = kind
     return node
+
+
+def _operator_argument(raw: list, at: int, i: int, allowed: frozenset[str]) -> torch._ops.OpOverload:
+    """The operator a higher-order call names at argument ``at`` (``{"$op": name}``), resolved
+    through the same allowlist as a call target."""
+    ref = raw[at] if len(raw) > at else None
+    if not (isinstance(ref, dict) and len(ref) == 1 and isinstance(ref.get("$op"), str)):
+        raise UnsupportedGraphError(f"graph node {i} must name an operator as argument {at}")
+    op = resolve_target(ref["$op"], allowed)
+    if not isinstance(op, torch._ops.OpOverload):
+        raise UnsupportedGraphError(f"graph node {i}: {ref['$op'][:200]!r} is not an operator overload")
+    return op
+
+
+def _check_higher_order(name: str, op: torch._ops.OpOverload, args: list, kwargs: dict, kinds: dict):
+    """Check a ``run_and_save_rng_state(op, *args)`` / ``run_with_rng_state(state, op, *args)``
+    call; what it produces."""
+    if name == "hop:run_with_rng_state":
+        if not args or not (isinstance(args[0], torch.fx.Node) and kinds.get(args[0]) == "tensor"):
+            raise UnsupportedGraphError(f"operation {name} takes a random-number state tensor first")
+        op_args = args[1:]
+    else:
+        op_args = args
+    if op.namespace not in CORE_NAMESPACES:
+        check_call(op, tuple(op_args), kwargs, kinds)
+    produced = output_kind(op)
+    return ("tensor", produced) if name == "hop:run_and_save_rng_state" else produced

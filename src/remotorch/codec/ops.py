@@ -31,16 +31,37 @@ import torch.fx
 
 from ..errors import UnsupportedGraphError
 
+# Builtins by wire name, each with its arity (``SEQ``: one list of operands). Besides
+# ``getitem``, they are the symbolic-size arithmetic dynamo and aot_autograd emit on
+# SymInt/SymFloat/SymBool values: the Python operators and math functions torch maps
+# symbolic methods to (``torch.fx.experimental.sym_node.METHOD_TO_OPERATOR``),
+# ``torch.sym_*`` and ``torch._sym_<fn>``. Every operand must be a scalar (a node
+# producing one, or an int, float or bool), checked when a document is decoded.
+SEQ = -1
+SYMBOLIC: dict[str, tuple[object, int]] = {
+    **{f"op:{n}": (getattr(operator, n), 2) for n in (
+        "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "eq", "ne", "lt", "le", "gt", "ge",
+        "and_", "or_", "xor", "lshift", "rshift")},
+    **{f"op:{n}": (getattr(operator, n), 1) for n in ("neg", "pos", "abs", "not_", "invert")},
+    **{f"math:{n}": (getattr(math, n), 1) for n in ("ceil", "floor", "trunc", "sqrt")},
+    "builtin:round": (round, 1),  # (round(x, ndigits) is not symbolic arithmetic)
+    "torch:sym_float": (torch.sym_float, 1), "torch:sym_int": (torch.sym_int, 1),
+    "torch:sym_not": (torch.sym_not, 1), "torch:sym_max": (torch.sym_max, 2),
+    "torch:sym_min": (torch.sym_min, 2), "torch:sym_ite": (torch.sym_ite, 3),
+    "torch:sym_sum": (torch.sym_sum, SEQ),
+    **{f"torch:_sym_{n}": (getattr(torch, f"_sym_{n}"), 1) for n in (
+        "sqrt", "cos", "cosh", "sin", "sinh", "tan", "tanh", "asin", "acos", "atan", "log2")
+       if hasattr(torch, f"_sym_{n}")},
+}
+# Higher-order operators that take an operator as an argument (what torch.utils.checkpoint
+# lowers dropout and other random ops to, so that recomputation replays the same random
+# numbers): the argument at this index names an operator, resolved as any call target is.
+OP_ARGUMENT: dict[str, int] = {"hop:run_and_save_rng_state": 0, "hop:run_with_rng_state": 1}
 BUILTINS: dict[str, object] = {
-    "op:getitem": operator.getitem, "op:add": operator.add, "op:sub": operator.sub,
-    "op:mul": operator.mul, "op:truediv": operator.truediv, "op:floordiv": operator.floordiv,
-    "op:mod": operator.mod, "op:pow": operator.pow, "op:neg": operator.neg,
-    "op:eq": operator.eq, "op:ne": operator.ne, "op:lt": operator.lt, "op:le": operator.le,
-    "op:gt": operator.gt, "op:ge": operator.ge, "op:and_": operator.and_, "op:or_": operator.or_,
-    "op:not_": operator.not_, "op:abs": operator.abs,
-    "math:ceil": math.ceil, "math:floor": math.floor, "math:sqrt": math.sqrt,
-    "torch:sym_float": torch.sym_float, "torch:sym_int": torch.sym_int,
-    "torch:sym_max": torch.sym_max, "torch:sym_min": torch.sym_min, "torch:sym_not": torch.sym_not,
+    "op:getitem": operator.getitem,
+    **{name: fn for name, (fn, _) in SYMBOLIC.items()},
+    "hop:run_and_save_rng_state": torch.ops.higher_order.run_and_save_rng_state,
+    "hop:run_with_rng_state": torch.ops.higher_order.run_with_rng_state,
 }
 _BUILTIN_NAMES = {id(fn): name for name, fn in BUILTINS.items()}
 # Namespaces every worker resolves (with the denylist below); custom ones only when allowed.
@@ -250,3 +271,27 @@ def _describe(v, kinds: dict) -> str:
     if isinstance(v, torch.fx.Node):
         return f"a node producing {kinds.get(v, 'unknown')}"
     return type(v).__name__
+
+
+def check_builtin(name: str, args: tuple, kwargs: dict, kinds: dict) -> None:
+    """Refuse a builtin call whose operands do not fit it (before anything runs).
+
+    ``getitem`` takes a node and an int; symbolic arithmetic takes its arity
+    of scalars (nodes producing one, or int, float and bool literals) and
+    ``sym_sum`` one list of them, never keywords. So no builtin ever sees a
+    tensor, a list to repeat or a string.
+    """
+    if kwargs:
+        raise UnsupportedGraphError(f"operation {name} takes no keyword arguments")
+    if name == "op:getitem":
+        if len(args) != 2 or not isinstance(args[0], torch.fx.Node) or type(args[1]) is not int:
+            raise UnsupportedGraphError("operation op:getitem takes a node and an int")
+        return
+    _, arity = SYMBOLIC[name]
+    operands = args[0] if arity == SEQ and len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+    if (arity == SEQ and (len(args) != 1 or not operands)) or (arity != SEQ and len(args) != arity):
+        want = "one list of scalars" if arity == SEQ else f"{arity} scalar operand(s)"
+        raise UnsupportedGraphError(f"operation {name} takes {want}, the document gives {len(args)} argument(s)")
+    for v in operands:
+        if not (kinds.get(v) == "scalar" if isinstance(v, torch.fx.Node) else type(v) in (int, float, bool)):
+            raise UnsupportedGraphError(f"operation {name} takes scalars, the document gives {_describe(v, kinds)}")

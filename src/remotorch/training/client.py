@@ -20,6 +20,7 @@ goes through the connection's public API (``call``, ``request``, ``refs``,
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -55,7 +56,9 @@ class TrainingClient:
         self._superseded: list[str] = []
         self.keep_outputs = True  # a forward's outputs Python has not read stay on the worker
         self.keep_min_bytes = 1024
+        self.optimizers: weakref.WeakSet = weakref.WeakSet()  # RemoteOptimizers bound here
         connection.pending_hooks.append(self._take_pending)
+        connection.before_close.append(self.keep_before_close)
 
     @property
     def closed(self) -> bool:
@@ -251,6 +254,20 @@ class TrainingClient:
             else:
                 outs.append(reader.value(arg, device))
         return outs
+
+    def keep_before_close(self) -> None:
+        """Before the session ends: the parameters an optimizer trained on the worker back into
+        their local tensors, and each worker-side optimizer's state into the optimizer here.
+
+        So a model trained inside ``with Session():`` holds its trained values
+        after the block, and ``opt.state_dict()`` still answers; the optimizer
+        binds again, with that state, to the next session that uses its parameters.
+        """
+        stepped = [t for t, slot in self.slots.items() if slot.stepped and not self.slots.stale(slot, t)]
+        if stepped:
+            self.pull_tensors(stepped)
+        for opt in list(self.optimizers):
+            opt.keep_state()
 
     # --------------------------------------------------------------------- pull
     def pull(self, module: torch.nn.Module, grads: bool = False) -> int:

@@ -98,6 +98,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 self._client = None
                 raise
             self._id = oid
+            client.optimizers.add(self)
             for group in groups:
                 for slot in group:
                     slot.optims.add(oid)
@@ -201,6 +202,23 @@ class RemoteOptimizer(torch.optim.Optimizer):
             state.setdefault(idx, {})[key] = v.clone() if isinstance(v, torch.Tensor) else v
         sd["state"] = state
         return sd
+
+    def keep_state(self) -> None:
+        """Bring the worker's state here and let go of the worker (its session is ending).
+
+        ``state_dict()`` keeps answering from the local copy, and the next
+        session that puts these parameters in slots creates the optimizer
+        there again, with this state.
+        """
+        if self._client is None:
+            return
+        state, params = self.state_dict()["state"], self._params()
+        self.state.clear()
+        for idx, per_param in state.items():
+            self.state[params[idx]] = per_param
+        self._client, self._id = None, None
+        for p in params:
+            wait_for_binding(p, self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load hyperparameters here and per-parameter state into the worker's optimizer."""

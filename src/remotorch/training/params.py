@@ -56,6 +56,10 @@ class ParamSlots:
         slot = self._by_tensor.get(id(t))
         return slot if slot is not None and slot.ref() is t else None
 
+    def items(self) -> list[tuple[torch.Tensor, Slot]]:
+        """(local tensor, slot) of every slot whose tensor is alive."""
+        return [(t, slot) for slot in list(self._by_tensor.values()) if (t := slot.ref()) is not None]
+
     def get_or_new(self, t: torch.Tensor) -> Slot:
         """The tensor's slot, creating an unbound one (version -1) if needed."""
         slot = self.lookup(t)
