@@ -299,3 +299,138 @@ def test_bad_tagged_values_raise_unsupported_graph_error(name):
                      "kwargs": {"alpha": BUGGY_VALUES[name]}}, OUT0])
     with pytest.raises(UnsupportedGraphError):
         decode_graph(doc, [], CPU)
+
+
+# ------------------------------------------------ symbolic sizes and higher-order operators
+def _aot_graphs(fn, *args, dynamic: bool = False, backward: bool = False) -> list[torch.fx.GraphModule]:
+    """The aten graphs aot_autograd hands a backend for ``fn`` (forward, and backward if asked)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(fn, dynamic=dynamic, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+        out = compiled(*args)
+        if backward:
+            out.sum().backward()
+    finally:
+        torch._dynamo.reset()
+    return graphs
+
+
+def test_symbolic_size_arithmetic_round_trips_and_runs():
+    def f(a, b, c):
+        x = torch.cat([a, b, c])  # the new size is a sym_sum of three sizes
+        n = torch.sym_max(a.shape[0], b.shape[0])
+        return x.sin() * n, torch.arange(x.shape[0] + a.shape[1])
+
+    (gm,) = _aot_graphs(f, torch.randn(3, 4), torch.randn(4, 4), torch.randn(6, 4), dynamic=True)
+    names = {target_name(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert "torch:sym_sum" in names and "torch:sym_max" in names, names
+    _, decoded = round_trip(gm)
+    # other sizes, same document (dynamo guarded b square and as wide as a and c: duck sizing)
+    other = (torch.randn(5, 6), torch.randn(6, 6), torch.randn(7, 6))
+    placeholders = [p.meta["val"] for p in gm.graph.nodes if p.op == "placeholder"]
+    tensors = [v for v in placeholders if isinstance(v, torch.Tensor)]
+    symbols = {d.node.expr: n for t, o in zip(tensors, other) for d, n in zip(t.shape, o.shape)
+               if isinstance(d, torch.SymInt)}  # each size symbol -> its value for the new inputs
+    it = iter(other)
+    args = [next(it) if isinstance(v, torch.Tensor) else symbols[v.node.expr] for v in placeholders]
+    for got, want in zip(decoded.module(*args), f(*other)):
+        assert torch.equal(got, want)
+
+
+def test_every_symbolic_builtin_resolves_by_name():
+    from remotorch.codec.ops import SYMBOLIC
+
+    for name, (fn, _) in SYMBOLIC.items():
+        assert resolve_target(name) is fn
+        assert target_name(fn) == name
+    for fn in (torch.sym_sum, torch.sym_ite, torch.sym_not, torch._sym_sqrt, operator.xor, operator.rshift):
+        assert resolve_target(target_name(fn)) is fn
+
+
+SIZE = {"op": "call", "target": "aten::sym_size.int", "args": [{"$n": "v0"}, 0]}  # v1: a scalar
+BAD_BUILTIN_CALLS = {
+    "add-a-tensor": {"target": "op:add", "args": [{"$n": "v0"}, 1]},
+    "mul-a-list": {"target": "op:mul", "args": [[1, 2], {"$n": "v1"}]},
+    "mul-a-string": {"target": "op:mul", "args": ["ab", {"$n": "v1"}]},
+    "add-three": {"target": "op:add", "args": [{"$n": "v1"}, 1, 2]},
+    "add-one": {"target": "op:add", "args": [{"$n": "v1"}]},
+    "neg-keyword": {"target": "op:neg", "args": [{"$n": "v1"}], "kwargs": {"x": 1}},
+    "sum-not-a-list": {"target": "torch:sym_sum", "args": [{"$n": "v1"}, 2]},
+    "sum-empty": {"target": "torch:sym_sum", "args": [[]]},
+    "sum-of-a-tensor": {"target": "torch:sym_sum", "args": [[{"$n": "v1"}, {"$n": "v0"}]]},
+    "ite-two": {"target": "torch:sym_ite", "args": [True, {"$n": "v1"}]},
+    "getitem-string": {"target": "op:getitem", "args": [{"$n": "v0"}, "x"]},
+    "getitem-literal": {"target": "op:getitem", "args": [[1, 2], 0]},
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_BUILTIN_CALLS))
+def test_builtin_calls_that_do_not_fit_are_refused(name):
+    call = dict({"op": "call", "kwargs": {}}, **BAD_BUILTIN_CALLS[name])
+    doc = _doc([PH, SIZE, call, {"op": "output", "args": [{"$n": "v2"}]}])
+    with pytest.raises(UnsupportedGraphError):
+        decode_graph(doc, [], CPU)
+
+
+def test_builtin_calls_that_fit_decode():
+    for call in ({"target": "op:add", "args": [{"$n": "v1"}, 1]},
+                 {"target": "torch:sym_sum", "args": [[{"$n": "v1"}, 2, {"$n": "v1"}]]},
+                 {"target": "torch:sym_ite", "args": [True, {"$n": "v1"}, 3]},
+                 {"target": "torch:sym_float", "args": [{"$n": "v1"}]}):
+        doc = _doc([PH, SIZE, dict(call, op="call"), {"op": "output", "args": [{"$n": "v2"}]}])
+        decoded = decode_graph(doc, [], CPU)
+        assert decoded.module(torch.zeros(2)) is not None
+
+
+def _checkpointed_dropout_graphs():
+    """The forward and backward aten graphs of a checkpointed dropout (aot_autograd saves the rng state)."""
+    def f(x, w):
+        inner = lambda y: torch.nn.functional.dropout(y, 0.5, training=True) * w  # noqa: E731
+        return torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=False)
+
+    return _aot_graphs(f, torch.randn(4, 8), torch.randn(8, requires_grad=True), backward=True)
+
+
+def test_checkpointing_rng_operators_round_trip_naming_their_operator():
+    forward, backward = _checkpointed_dropout_graphs()
+    for gm in (forward, backward):
+        payload = encode_graph(gm)
+        nodes = msgspec.msgpack.decode(payload.doc)["nodes"]
+        hops = [n for n in nodes if n["op"] == "call" and n["target"].startswith("hop:")]
+        assert hops, [n.get("target") for n in nodes]
+        assert any({"$op": "aten::native_dropout.default"} in n["args"] for n in hops)
+        decoded = decode_graph(payload.doc, [], CPU)
+        assert any(a is torch.ops.aten.native_dropout.default
+                   for node in decoded.module.graph.nodes for a in node.args)
+
+
+@pytest.mark.parametrize("args", [
+    [{"$op": "aten::save.default"}, {"$n": "v0"}, 0.5, True],  # a denied operator
+    [{"$op": "os::system.default"}, {"$n": "v0"}, 0.5, True],  # not an allowed namespace
+    [{"$op": "op:add"}, {"$n": "v0"}, 0.5, True],  # a builtin, not an operator overload
+    ["aten::native_dropout.default", {"$n": "v0"}, 0.5, True],  # a plain string
+    [{"$n": "v0"}, 0.5, True],  # no operator at all
+])
+def test_higher_order_calls_name_only_allowed_operators(args):
+    doc = _doc([PH, {"op": "call", "target": "hop:run_and_save_rng_state", "args": args}, OUT0])
+    with pytest.raises(UnsupportedGraphError):
+        decode_graph(doc, [], CPU)
+
+
+def test_an_operator_reference_is_refused_outside_a_higher_order_call():
+    doc = _doc([PH, {"op": "call", "target": "aten::add.Tensor",
+                     "args": [{"$n": "v0"}, {"$op": "aten::neg.default"}]}, OUT0])
+    with pytest.raises(UnsupportedGraphError):
+        decode_graph(doc, [], CPU)
+    replay = _doc([PH, {"op": "call", "target": "hop:run_with_rng_state",
+                        "args": [1, {"$op": "aten::native_dropout.default"}, {"$n": "v0"}, 0.5, True]}, OUT0])
+    with pytest.raises(UnsupportedGraphError, match="state tensor"):
+        decode_graph(replay, [], CPU)

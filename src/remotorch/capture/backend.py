@@ -50,10 +50,33 @@ def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
         raise ValueError(f"custom_ops must be one of {CUSTOM_OPS}, got {custom_ops!r}")
     make = functools.partial(_compile_aten, session=session, engine=engine, fallback=fallback, worker=worker)
     extra = {"decompositions": custom_decompositions()} if custom_ops == "decompose" else {}
-    return aot_autograd(fw_compiler=functools.partial(make, static=True, kind="forward"),
-                        inference_compiler=functools.partial(make, static=True),
-                        bw_compiler=functools.partial(make, static=False, kind="backward"),
-                        **extra)(gm, example_inputs)
+    compiled = aot_autograd(fw_compiler=functools.partial(make, static=True, kind="forward"),
+                            inference_compiler=functools.partial(make, static=True),
+                            bw_compiler=functools.partial(make, static=False, kind="backward"),
+                            **extra)(gm, example_inputs)
+    return _placeholders_seen(compiled)
+
+
+def _placeholders_seen(compiled):
+    """``compiled`` run with tensor subclasses' torch functions on.
+
+    Once dynamo traced a subclass's ``__torch_function__`` (a placeholder for
+    a value kept on a worker, ``client.remote.RemoteTensor``), it runs the
+    compiled graph with them off. But aot_autograd's runtime around our
+    graphs works on their inputs and outputs locally (``detach``,
+    ``_unsafe_view``, rebuilding aliases), and a placeholder must see that:
+    with its torch function off, the result would be a plain tensor over its
+    unwritten buffer. The graph itself runs remotely, so nothing is
+    dispatched twice.
+    """
+    @functools.wraps(compiled)
+    def run(*args):
+        if torch._C._is_torch_function_enabled():
+            return compiled(*args)
+        with torch._C._EnableTorchFunction():
+            return compiled(*args)
+
+    return run
 
 
 def custom_decompositions() -> dict:

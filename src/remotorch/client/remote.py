@@ -332,7 +332,11 @@ def _lazy_view(func, src: RemoteTensor, args, kwargs):
         if not isinstance(v, Tensor):
             return v
         with torch._C.DisableTorchFunctionSubclass():
-            r = v.as_subclass(RemoteTensor)
+            # as_subclass makes an autograd view; an op whose result is no view (detach,
+            # _unsafe_view: aot_autograd uses it so that autograd may let an output be
+            # written in place) keeps it that way, unless that would cut a gradient's path
+            r = v.as_subclass(RemoteTensor) if v._is_view() or v.grad_fn is not None else \
+                torch.Tensor._make_subclass(RemoteTensor, v, v.requires_grad)
         r._rt_ref = ref
         r._rt_base = root
         r._rt_view = (list(v.shape), list(v.stride()), v.storage_offset() - origin)

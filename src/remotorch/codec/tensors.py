@@ -136,7 +136,9 @@ def tensor_from_wire(meta: TensorMeta, buf) -> torch.Tensor:
         raise ValueError(f"tensor meta: layout needs {span * _ITEMSIZE[dtype]} bytes, frame has {arr.nbytes}")
     base = torch.from_numpy(arr) if arr.flags.writeable else torch.frombuffer(bytearray(arr), dtype=torch.uint8)
     base = base.view(dtype) if dtype is not torch.uint8 else base
-    return torch.as_strided(base, shape, strides, 0)
+    # detached: the same memory, but no autograd view of the frame, so a graph output may be
+    # written in place as one computed here may (autograd refuses that on a view's output)
+    return torch.as_strided(base, shape, strides, 0).detach()
 
 
 def content_id(meta: TensorMeta, data: memoryview) -> str:
