@@ -212,3 +212,24 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool
             return True
         time.sleep(interval)
     return predicate()
+
+
+@pytest.fixture(scope="session")
+def zoo_worker():
+    """One worker for the whole conformance suite, allowing transformers' custom operators (MoE experts)."""
+    srv = spawn_server(token=TOKEN, name="zoo", extra_args=("--allow-ops", "transformers"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def zoo_references(request, tmp_path_factory):
+    """aot_eager outcomes of the zoo cases this run collected (tests/conformance/test_zoo.py), computed
+    by a second process in the order the tests run, while this one runs them on remotorch."""
+    from remotorch.devtools.conformance import References
+
+    cases = [item.callspec.params["case"] for item in request.session.items
+             if item.path.name == "test_zoo.py" and "case" in getattr(getattr(item, "callspec", None), "params", ())]
+    refs = References(cases, str(tmp_path_factory.mktemp("aot_eager")))
+    yield refs
+    refs.close()

@@ -215,11 +215,7 @@ class RemoteTensor(torch.Tensor):
                 RemoteTensor.materialize_(base)
             else:
                 ref.note_read()
-                # an internal write: outside any dispatch mode, without bumping the version counter
-                # (the tensor may be saved for backward)
-                with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass(), torch.no_grad(), \
-                        torch.autograd._unsafe_preserve_version_counter(self):
-                    self.copy_(real)
+                _write(self, real)
         for key in ("_rt_ref", "_rt_base", "_rt_view"):
             self.__dict__.pop(key, None)
         return self
@@ -361,12 +357,23 @@ def placeholder(conn: Connection, kept: m.KeptArg, device: torch.device | None, 
     return t
 
 
+def _write(t: RemoteTensor, value: Tensor) -> None:
+    """The value into a placeholder's buffer: an internal write, outside any dispatch mode, that
+    bumps no version counter (the tensor may be saved for backward). A placeholder made under
+    ``torch.inference_mode`` is an inference tensor: written in that mode (it has no counter)."""
+    with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass():
+        if t.is_inference():
+            with torch.inference_mode():
+                t.copy_(value)
+        else:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t):
+                t.copy_(value)
+
+
 def fill(t: RemoteTensor, value: Tensor) -> None:
     """Make a placeholder an ordinary tensor holding ``value`` (its call sent it back after all);
     its views, which share its buffer, become ordinary too."""
-    with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass(), torch.no_grad(), \
-            torch.autograd._unsafe_preserve_version_counter(t):
-        t.copy_(value)
+    _write(t, value)
     ref = t.__dict__.pop("_rt_ref", None)
     if ref is not None:
         ref.launched = None

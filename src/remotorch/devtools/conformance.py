@@ -46,6 +46,7 @@ class Outcome:
     error: str | None = None
     fallbacks: int = 0
     seconds: float = 0.0
+    remote_calls: int = 0  # graphs the worker ran (remotorch)
 
     @property
     def ok(self) -> bool:
@@ -71,7 +72,8 @@ def run_case(spec: ModelSpec, mode: str, backend: str,
             held = _MODES[mode](spec, _compiler(backend, s), _optimizer(backend, s))
         outcome.values = _read(held)  # after the session closed
         if s is not None:
-            outcome.fallbacks = s.stats()["fallbacks"]
+            stats = s.stats()
+            outcome.fallbacks, outcome.remote_calls = stats["fallbacks"], stats["remote_calls"]
     except Exception as exc:  # the case's failure is its result
         outcome.error = describe(exc)
     outcome.seconds = time.perf_counter() - start
@@ -206,3 +208,90 @@ def _tensors(value, name: str):
                     yield f"{name}.{i}.{attr}", t
     elif hasattr(value, "sample") and isinstance(getattr(value, "sample"), torch.Tensor):  # diffusers outputs
         yield f"{name}.sample", value.sample
+
+
+# --------------------------------------------------------------------------- references in a second process
+def save_outcome(outcome: Outcome, path: str) -> None:
+    """Write an outcome where :func:`load_outcome` reads it (atomically: a reader never sees half)."""
+    import os
+
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save({"values": outcome.values, "error": outcome.error, "fallbacks": outcome.fallbacks,
+                "seconds": outcome.seconds}, tmp)
+    os.replace(tmp, path)
+
+
+def load_outcome(path: str) -> Outcome:
+    """An outcome this process's own helper wrote (tensors and plain values only: weights_only)."""
+    data = torch.load(path, weights_only=True)
+    return Outcome(data["values"], data["error"], data["fallbacks"], data["seconds"])
+
+
+def outcome_path(directory: str, name: str, mode: str) -> str:
+    import os
+
+    return os.path.join(directory, f"{name}.{mode}.pt")
+
+
+class References:
+    """aot_eager outcomes of a list of cases, computed by a second process while this one runs others.
+
+    On two cores the reference runs and the remotorch runs overlap, which
+    halves the time of the whole suite. The helper runs the cases in the
+    order given; :meth:`get` waits for one.
+    """
+
+    def __init__(self, cases: list[tuple[str, str]], directory: str, timeout: float = 900.0) -> None:
+        import subprocess
+        import sys
+
+        self.directory, self.timeout = directory, timeout
+        self._log = open(f"{directory}/references.log", "w+b")
+        self._proc = None
+        if not cases:
+            return
+        args = [sys.executable, "-m", "remotorch.devtools.conformance", "--out", directory,
+                *(f"{name}:{mode}" for name, mode in cases)]
+        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def get(self, name: str, mode: str) -> Outcome:
+        import os
+
+        path, deadline = outcome_path(self.directory, name, mode), time.monotonic() + self.timeout
+        while not os.path.exists(path):
+            if self._proc is None or (self._proc.poll() is not None and not os.path.exists(path)):
+                self._log.seek(0)
+                tail = self._log.read()[-3000:].decode(errors="replace")
+                raise RuntimeError(f"the aot_eager reference process exited "
+                                   f"without {name} {mode}:\n{tail}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no aot_eager reference for {name} {mode} after {self.timeout:.0f}s")
+            time.sleep(0.05)
+        return load_outcome(path)
+
+    def close(self) -> None:
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()
+        self._log.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m remotorch.devtools.conformance --out DIR MODEL:MODE…``: aot_eager outcomes into DIR."""
+    import argparse
+
+    from .zoo import by_name
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("cases", nargs="+", metavar="MODEL:MODE")
+    args = parser.parse_args(argv)
+    for case in args.cases:
+        name, _, mode = case.partition(":")
+        save_outcome(run_case(by_name(name), mode, "aot_eager"), outcome_path(args.out, name, mode))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
