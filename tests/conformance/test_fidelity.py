@@ -26,10 +26,10 @@ from remotorch.client.remote import RemoteTensor
 from remotorch.errors import RemoteError, UnsupportedGraphError, WorkerUnavailableError
 from remotorch.optim import RemoteOptimizer
 
-from conftest import TOKEN
+from conftest import TOKEN, clean_env
 
 # the zoo's aot_eager references start computing in a second process while these tests run
-pytestmark = pytest.mark.usefixtures("zoo_references"), clean_env
+pytestmark = pytest.mark.usefixtures("zoo_references")
 
 
 def mlp() -> torch.nn.Module:
