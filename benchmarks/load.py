@@ -58,7 +58,7 @@ def client(shared: Models, seed: int, calls: int, pipe) -> None:
     """One forked client: own weights, own connection, every output checked."""
     session = shared.session  # forked: give it an identity of its own on the worker
     conn = session.connection
-    conn.session_id, conn.lease_s = secrets.token_urlsafe(24), None
+    conn.link.session_id, conn.link.lease_s = secrets.token_urlsafe(24), None
     g = torch.Generator().manual_seed(seed)
     cases = []
     with torch.no_grad():

@@ -35,7 +35,7 @@ import torch
 import remotorch
 from remotorch import pipeline
 from remotorch.client.embedded import spawn_worker
-from remotorch.pipeline import schedules
+from remotorch.pipeline import builders, schedules
 from remotorch.pipeline.simulate import simulate
 
 
@@ -109,12 +109,12 @@ def train(session, schedule: str, stages: int, *, width: int, batch: int, microb
 def _moved_bytes(pipe, microbatches: int) -> int:
     """Bytes of the activations (and their gradients) that crossed between workers in one step."""
     total = 0
-    for e in pipe.plan.edges:
-        if not pipe.plan.remote(e):
+    for e in pipe.layout.edges:
+        if not pipe.layout.remote(e):
             continue
-        dtype, shape, _ = pipe.plan.runners[e.src].graphs.output_meta[e.output]
+        dtype, shape, _ = pipe.layout.runners[e.src].graphs.output_meta[e.output]
         size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        total += size * microbatches * (2 if pipe.plan.grad_flows(e) else 1)
+        total += size * microbatches * (2 if pipe.layout.grad_flows(e) else 1)
     return total
 
 
@@ -124,7 +124,7 @@ def simulated_table() -> list[dict]:
         for mbs in (4, 16, 64, 256):
             row = {"stages": stages, "microbatches": mbs}
             for name, chunks in (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)):
-                sched = schedules.build(name, stages * chunks, mbs, chunks=chunks)
+                sched = builders.build(name, stages * chunks, mbs, chunks=chunks)
                 t = simulate(sched)
                 row[name] = (t.bubble_fraction, t.peak_activations[0])
             rows.append(row)

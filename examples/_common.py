@@ -28,7 +28,7 @@ def backends_for(args: argparse.Namespace, session: remotorch.Session) -> list[s
     """The requested backends; names without a worker (``onnxrt``) mean that engine on the first worker."""
     if not args.backends:
         return None
-    first = session.worker_links()[0].name
+    first = session.connections()[0].name
     return [b if "/" in b else f"{first}/{b}" for b in args.backends.split(",") if b]
 
 

@@ -152,8 +152,8 @@ def test_health_counts_sessions_and_connections(session, service, loop):
 
 def test_every_message_of_the_protocol_gets_an_answer_in_process(service):
     """The socket-free service answers each request type (errors included) with one reply."""
-    requests = [m.Health(), m.Heartbeat(), m.Echo(), m.Pending(), m.OptimStep(7), m.PullSlots([1]),
-                m.RunGraph("0" * 64, "eager", []), m.ProfileGraph("0" * 64, "eager", [])]
+    requests = [m.Health(), m.Heartbeat(), m.Echo(), m.Flush(), m.OptimStep(7), m.PullSlots([1]),
+                m.Run("0" * 64, "eager", []), m.ProfileGraph("0" * 64, "eager", [])]
     for req in requests:
         header, _ = service.handle(9, m.encode(req), [])
         assert isinstance(m.decode(header), (m.HealthReply, m.Ok, m.EchoReply, m.ErrorReply)), req

@@ -336,7 +336,7 @@ def test_a_fitting_document_runs_the_operator(ops_session):
         meta, buf = tensor_to_wire(t, len(frames))
         frames.append(buf)
         args.append(m.TensorArg(meta))
-    reply, out = ops_session.connection.request(m.RunGraph(gid, "eager", args), frames)
+    reply, out = ops_session.connection.request(m.Run(gid, "eager", args), frames)
     from remotorch.codec.frames import FrameReader
     got = FrameReader(out).value(reply.outputs[0])
     torch.testing.assert_close(got, torch.cat([x[:2] @ w[0], x[2:] @ w[1]]))

@@ -32,9 +32,9 @@ def model_and_owner(make_session, seed: int):
     return owner, model, compiled, x
 
 
-def run_request(gid: str, tensor_ids: list[str], x: torch.Tensor) -> tuple[m.RunGraph, list]:
+def run_request(gid: str, tensor_ids: list[str], x: torch.Tensor) -> tuple[m.Run, list]:
     meta, buf = tensor_to_wire(x, 0)
-    return m.RunGraph(gid, "eager", [m.TensorArg(meta)] + [m.RefArg(t) for t in tensor_ids]), [buf]
+    return m.Run(gid, "eager", [m.TensorArg(meta)] + [m.RefArg(t) for t in tensor_ids]), [buf]
 
 
 def ask(session: remotorch.Session, body, frames=()) -> m.ErrorReply | object:
@@ -159,7 +159,7 @@ def test_training_slots_optimizers_and_handles_are_per_session(make_session):
         other.connection.request(m.OptimStep(9006))
     with pytest.raises(errors.MissingObjectsError):
         other.connection.request(m.OptimCreate(9007, "SGD", [[9001]], [{"lr": 0.1}]))
-    other.connection.request(m.Pending(handles=[0, 1, 2], slots=[9001], optims=[9006]))  # ignored: not its ids
+    other.connection.request(m.Flush(), pending=m.Pending(handles=[0, 1, 2], slots=[9001], optims=[9006]))  # ignored: not its ids
     reply, frames = owner.connection.request(m.PullSlots([9001]))
     assert torch.equal(remotorch.codec.tensors.tensor_from_wire(reply.values[0], frames[0]), value)
     owner.connection.request(m.OptimStep(9006))  # the owner's optimizer is still there

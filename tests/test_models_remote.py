@@ -219,6 +219,6 @@ def test_sessions_cannot_use_each_others_tensors(make_session):
     args = [m.TensorArg(meta)] + [m.RefArg(t) for t in tensor_ids]
     # the other session knows the ids but never uploaded the content: the worker says they are missing
     with pytest.raises(remotorch.errors.MissingObjectsError) as info:
-        other.connection.request(m.RunGraph(graph_ids[0], "eager", args), [buf])
+        other.connection.request(m.Run(graph_ids[0], "eager", args), [buf])
     assert set(info.value.graphs) == set(graph_ids)
     assert set(info.value.tensors) == set(tensor_ids)

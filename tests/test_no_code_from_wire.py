@@ -198,7 +198,7 @@ def test_evil_graph_documents_are_refused(transport, marker, session):
             accepted.append(name)
             x = torch.randn(4)
             x_meta, x_buf = tensor_to_wire(x, 0)
-            reply, frames = ask(transport, m.RunGraph(graph_id(doc, [], []), "eager", [m.TensorArg(x_meta)]),
+            reply, frames = ask(transport, m.Run(graph_id(doc, [], []), "eager", [m.TensorArg(x_meta)]),
                                 [x_buf])
         assert isinstance(reply, m.ErrorReply), (name, reply)
         assert not os.path.exists(marker), name
@@ -237,9 +237,9 @@ def test_evil_ids_and_engine_names_are_refused(transport, marker, session):
     assert isinstance(reply, m.Ok)  # a harmless identity graph
     x_meta, x_buf = tensor_to_wire(torch.randn(4), 0)
     for s in evil_strings(marker):
-        for body in (m.RunGraph(s, "eager", [m.TensorArg(x_meta)]),
-                     m.RunGraph(gid, s, [m.TensorArg(x_meta)]),
-                     m.RunGraph(gid, "eager", [m.RefArg(s)]),
+        for body in (m.Run(s, "eager", [m.TensorArg(x_meta)]),
+                     m.Run(gid, s, [m.TensorArg(x_meta)]),
+                     m.Run(gid, "eager", [m.RefArg(s)]),
                      m.PutGraph(s, doc, [])):
             reply, _ = ask(transport, body, [x_buf])
             assert isinstance(reply, m.ErrorReply), (s, body)
@@ -258,7 +258,7 @@ def test_evil_dtype_names_in_tensor_metas_are_refused(transport, marker, session
         reply, _ = ask(transport, m.PutTensors([content_id(meta, memoryview(frame))], [meta]), [frame])
         assert isinstance(reply, m.ErrorReply) and reply.kind == "invalid", reply
         # as an inline argument of a run
-        reply, _ = ask(transport, m.RunGraph(gid, "eager", [m.TensorArg(meta)]), [frame])
+        reply, _ = ask(transport, m.Run(gid, "eager", [m.TensorArg(meta)]), [frame])
         assert isinstance(reply, m.ErrorReply) and reply.kind == "invalid", reply
         # as a graph constant
         cdoc = _doc([{"op": "const", "index": 0}, {"op": "output", "args": [{"$n": "v0"}]}])
@@ -281,7 +281,7 @@ def test_evil_tensor_frames_are_only_data(transport, marker, session):
         tid = content_id(meta, memoryview(blob))
         assert isinstance(ask(transport, m.PutTensors([tid], [meta]), [blob])[0], m.Ok), name
         for arg in (m.RefArg(tid), m.TensorArg(meta)):
-            reply, frames = ask(transport, m.RunGraph(gid, "eager", [arg]), [blob])
+            reply, frames = ask(transport, m.Run(gid, "eager", [arg]), [blob])
             assert isinstance(reply, m.RunReply), (name, reply)
             assert bytes(frames[0]) == blob  # the bytes came back untouched
         # float32 view of the same bytes, with a length that does not fit: refused as a layout error
@@ -300,7 +300,7 @@ def test_evil_graph_constants_are_only_data(transport, marker, session):
     doc = _doc([{"op": "const", "index": 0}, {"op": "output", "args": [{"$n": "v0"}]}])
     reply, _ = ask(transport, m.PutGraph(graph_id(doc, [meta], [blob]), doc, [meta]), [blob])
     assert isinstance(reply, m.Ok)
-    reply, frames = ask(transport, m.RunGraph(graph_id(doc, [meta], [blob]), "eager", []))
+    reply, frames = ask(transport, m.Run(graph_id(doc, [meta], [blob]), "eager", []))
     assert isinstance(reply, m.RunReply)
     assert bytes(frames[0]) == blob
     assert not os.path.exists(marker)

@@ -123,7 +123,7 @@ def test_a_skip_connection_across_stages(pair, seeded):
     model = Blocks(skip=True)
     pipe, local, remote = train_both(model, ["layers.1", "layers.3"], pair, schedule="1F1B")
     assert remote == pytest.approx(local, rel=1e-5)
-    edges = {(e.src, e.dst) for e in pipe.plan.edges}
+    edges = {(e.src, e.dst) for e in pipe.layout.edges}
     assert (0, 2) in edges and (0, 1) in edges and (1, 2) in edges
 
 
@@ -165,7 +165,7 @@ def test_hf_llama_split_in_two(pair, seeded):
     pipe, local, remote = train_both(model, ["model.layers.2"], pair, schedule="1F1B", loss_fn=loss_fn,
                                      data=data, microbatches=2, steps=2, opt_class=torch.optim.SGD, lr=0.1)
     assert remote == pytest.approx(local, rel=1e-5)
-    assert len(pipe.plan.edges) >= 2  # more than the hidden states crosses the cut
+    assert len(pipe.layout.edges) >= 2  # more than the hidden states crosses the cut
 
 
 def _steady_bytes(session, width: int) -> tuple[int, int]:

@@ -122,7 +122,7 @@ def test_out_of_memory_evicts_cached_objects_and_runs_again(monkeypatch, kind):
     w = FrameWriter()
     run_args = w.values(args)
     if kind == "run":
-        reply, frames = _ask(service, 2, m.RunGraph(graph.graph_id, "oom-once", run_args), w.frames)
+        reply, frames = _ask(service, 2, m.Run(graph.graph_id, "oom-once", run_args), w.frames)
         assert isinstance(reply, m.RunReply), reply
     else:
         reply, frames = _ask(service, 2, m.ProfileGraph(graph.graph_id, "oom-once", run_args, 0, 3), w.frames)

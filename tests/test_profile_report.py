@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from remotorch.profile.records import BackendRun, CallRecord, GraphCall, ProfilePlan
+from remotorch.profile.records import BackendRun, CallRecord, GraphCall, ProfileSettings
 from remotorch.profile.report import CLIENT, build_report
 from remotorch.profile.render import render
 
@@ -19,7 +19,7 @@ B = ["w/eager", "w/onnxrt"]
 
 def report_of(records, backends=B, workers=None):
     """The report of these records, as a profile of ``backends`` with 1 warm-up and 3 repeats."""
-    return build_report(records, ProfilePlan(backends, backends[0], 3, 1, workers or {"w": {"price_per_hour": 7.2}}))
+    return build_report(records, ProfileSettings(backends, backends[0], 3, 1, workers or {"w": {"price_per_hour": 7.2}}))
 
 
 def call(function, graphs, *, start=0.0, gaps=(), compiled=False, error=None, times=None):

@@ -69,12 +69,12 @@ def test_a_dropped_connection_resumes_and_a_forgotten_session_uploads_again(link
     link.drop()  # the next request opens a new connection and re-attaches: the upload is still there
     res = profile_graph(link, graph, args, "eager", warmups=0, repeats=1)
     assert torch.equal(res.outputs[0], mm_relu(*args))
-    assert link.stats["graphs_uploaded"] == 1
+    assert link.stats.graphs_uploaded == 1
     link.transport.request(m.encode(m.Detach()))  # the worker frees the session now
     link.drop()
     res = profile_graph(link, graph, args, "eager", warmups=0, repeats=1)
     assert torch.equal(res.outputs[0], mm_relu(*args))
-    assert link.stats["graphs_uploaded"] == 2
+    assert link.stats.graphs_uploaded == 2
 
 
 def test_three_engines_compile_the_same_graph_and_agree(link):
@@ -100,7 +100,7 @@ def test_onnxrt_one_export_serves_every_batch_size(link):
         assert res.compiled == (n == 0)
         assert res.outputs[0].shape == (batch, 4)
         assert torch.allclose(res.outputs[0], mm_relu(x, w), atol=1e-5)
-    assert link.stats["graphs_uploaded"] == 1
+    assert link.stats.graphs_uploaded == 1
 
 
 def test_an_engine_that_cannot_take_a_graph_fails_only_there(link):

@@ -92,7 +92,7 @@ def test_a_compiled_gpt2_on_the_cluster_equals_eager(cluster, ray_local):
     for i, info in enumerate(cluster.workers):  # each worker ran the model and uploaded its weights once
         conn = by_name[f"ray-{i}"]
         assert conn.url == info["url"]
-        assert conn.stats["remote_calls"] >= 1 and conn.stats["tensors_uploaded"] >= 1, conn.stats
+        assert conn.stats.remote_calls >= 1 and conn.stats.tensors_uploaded >= 1, conn.stats
     assert [w["name"] for w in s.workers()] == ["ray-0", "ray-1"]
 
 

@@ -405,7 +405,7 @@ def test_a_launched_call_that_fails_raises_at_the_read_with_its_graph(start_serv
 
 
 def test_bad_deliveries_in_a_run_are_typed_errors_and_the_workers_keep_serving(server, start_server):
-    """``RunResident.send`` (what pipeline stages use): a bad output index, a forged ticket, a huge ttl."""
+    """``Run.send`` (what pipeline stages use): a bad output index, a forged ticket, a huge ttl."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from remotorch.codec import messages as m
@@ -421,7 +421,7 @@ def test_bad_deliveries_in_a_run_are_typed_errors_and_the_workers_keep_serving(s
         def run(send):
             w = FrameWriter()
             arg = w.tensor(torch.ones(4, 4))
-            return a.request(m.RunResident(payload.graph_id, "eager", [arg], send=send), w.frames)
+            return a.request(m.Run(payload.graph_id, "eager", [arg], send=send), w.frames)
 
         with pytest.raises(errors.InvalidRequestError, match="send"):
             run([m.SendOutputs([3], b.url, b"\0" * 16, b"\0" * 32)])  # the graph has one output

@@ -272,7 +272,7 @@ def test_requests_that_do_not_fit_get_typed_errors(session, server):
             header, out = transport.request(m.encode(body), frames)
             return m.decode(header)
 
-        reply = ask(m.RunGraph("0" * 64, "eager", []))
+        reply = ask(m.Run("0" * 64, "eager", []))
         assert isinstance(reply, m.ErrorReply) and reply.kind == "missing"
         assert reply.graphs == ["0" * 64]
         reply = ask(m.PutGraph("f" * 64, b"doc", []))
@@ -328,7 +328,7 @@ def test_wrong_argument_count_and_dtype_are_invalid_requests(session, server):
         ([m.TensorArg(meta_f), m.RefArg("nope")], [buf_f], "missing"),  # never uploaded
     ]
     for args, frames, kind in cases:
-        header, _ = transport.request(m.encode(m.RunGraph(gid, "eager", args)), frames)
+        header, _ = transport.request(m.encode(m.Run(gid, "eager", args)), frames)
         reply = m.decode(header)
         assert isinstance(reply, m.ErrorReply), args
         assert reply.kind == kind, (args, reply)

@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remotorch.pipeline.chart import figures, render, write_png
-from remotorch.pipeline.schedules import Action, Schedule, ScheduleError, build, parse, validate
+from remotorch.pipeline.builders import build
+from remotorch.pipeline.schedules import Action, Schedule, ScheduleError, parse, validate
 from remotorch.pipeline.simulate import Timeline, simulate
 
 NAMES = ("GPipe", "1F1B", "Interleaved1F1B")
@@ -386,7 +387,7 @@ def test_pipeline_schedules_import_nothing_heavy():
         modules = {a.name for n in top if isinstance(n, ast.Import) for a in n.names} | \
                   {n.module or "" for n in top if isinstance(n, ast.ImportFrom)}
         assert not {m for m in modules if m.split(".")[0] in ("torch", "matplotlib", "numpy")}, name
-    assert pipeline.schedules.SCHEDULES == NAMES
+    assert pipeline.builders.SCHEDULES == NAMES
 
 
 # ---------------------------------------------------------------- chart and command line

@@ -62,7 +62,7 @@ def test_unix_worker_refuses_a_wrong_token(sock_path):
             with pytest.raises(errors.AuthenticationError):
                 session.health()
         with remotorch.Session(server.url, token=TOKEN) as session:
-            assert session.health()["protocol"] == 2
+            assert session.health()["protocol"] == remotorch.codec.messages.PROTOCOL_VERSION
     finally:
         server.stop()
 

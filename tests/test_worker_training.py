@@ -1,4 +1,5 @@
-"""Unit tests of the worker's training state (in-process; the wire is covered in test_training.py)."""
+"""Unit tests of the worker's stores: parameter slots and optimizers, and handles (in-process; the
+wire is covered in test_training.py)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,15 @@ import pytest
 import torch
 
 from remotorch.errors import InvalidRequestError, MissingObjectsError
-from remotorch.worker.training import TrainingState, optimizer_class, plain_hyper
+from remotorch.worker.handles import HandleStore, count_bytes
+from remotorch.worker.training import Trainables, optimizer_class, plain_hyper
 
 S = "session-a"
 
 
 @pytest.fixture
 def state():
-    return TrainingState(torch.device("cpu"))
+    return Trainables(torch.device("cpu"))
 
 
 def test_gradients_accumulate_like_autograd(state):
@@ -52,33 +54,49 @@ def test_slot_used_by_an_optimizer_cannot_change_shape(state):
         state.bind(S, 1, torch.zeros(3), private=True)
 
 
-def test_total_bytes_counts_params_grads_state_and_handles_once(state):
+def test_bytes_count_params_grads_state_and_handles_once(state):
+    handles = HandleStore()
+
+    def total(session=None):
+        return count_bytes([*handles.tensors(session), *state.tensors(session)])
+
     state.bind(S, 1, torch.zeros(10), private=True)  # 40 bytes
     state.accumulate(S, 1, torch.ones(10), owned=True)  # +40
     h = torch.ones(5)
-    state.keep(S, 100, [h, h])  # the same tensor twice: +20 once
-    assert state.total_bytes() == 100
+    handles.put(S, [100, 101], [h, h])  # the same tensor twice: +20 once
+    assert total() == 100 and handles.bytes(S) == 40  # per handle, as the quota of kept values sees it
     state.optim_create(S, 7, "Adam", [[1]], [{"lr": 0.1}])
     state.optim_step(S, 7, [])
-    assert state.total_bytes() == 100 + 80 + 4  # exp_avg, exp_avg_sq, step
-    state.apply_pending(S, zero_grad=[7], handles=[100, 101])
+    assert total() == 100 + 80 + 4  # exp_avg, exp_avg_sq, step
+    state.apply_pending(S, zero_grad=[7])
+    handles.release(S, [100, 101, 999])  # an id it does not hold is ignored
     assert state.slot(S, 1).grad is None
-    assert state.total_bytes() == 40 + 84
+    assert total() == 40 + 84 and state.bytes() == 40 + 84
     state.bind("session-b", 1, torch.zeros(2), private=True)
-    assert state.session_bytes("session-b") == 8
-    assert state.session_bytes(S) == 40 + 84
+    assert state.bytes("session-b") == 8
+    assert total(S) == 40 + 84
     state.drop_session(S)
-    assert state.total_bytes() == 8
-    assert state.session_bytes(S) == 0
+    assert state.bytes() == 8
+    assert state.bytes(S) == 0
 
 
-def test_handles_are_per_session_and_ids_are_not_reused(state):
-    state.keep(S, 1, [torch.ones(1)])
+def test_handles_are_per_session_and_ids_are_not_reused():
+    handles = HandleStore()
+    handles.put(S, [1], [torch.ones(1)])
     with pytest.raises(InvalidRequestError, match="already in use"):
-        state.keep(S, 1, [torch.ones(1)])
+        handles.put(S, [1], [torch.ones(1)])
     with pytest.raises(MissingObjectsError) as info:
-        state.handle("session-b", 1)
-    assert info.value.tensors == ["handle:1"]
+        handles.get("session-b", 1)
+    assert info.value.handles == [1] and info.value.tensors == [] and not info.value.recoverable
+
+
+def test_missing_slots_and_optimizers_are_named_by_typed_ids(state):
+    with pytest.raises(MissingObjectsError) as info:
+        state.slot(S, 5)
+    assert info.value.slots == [5] and not info.value.recoverable
+    with pytest.raises(MissingObjectsError) as info:
+        state.optim_step(S, 9, [])
+    assert info.value.optims == [9]
 
 
 def test_optimizer_names_resolve_only_to_torch_optim_classes():

@@ -15,6 +15,8 @@ from . import optim  # RemoteOptimizer: torch.optim on the worker
 from .capture.backend import compile, remotorch_backend
 from .profile import accelerate, explain, remote_profile
 from .client.session import Session, default_session
+from .capture import backend as _backend
+from .training.client import TrainingClient as _TrainingClient
 from .devtools import models  # example models (``from remotorch import models``)
 
 __all__ = ["Session", "accelerate", "compile", "default_session", "errors", "explain", "models", "optim",
@@ -36,3 +38,6 @@ def _register_backend() -> None:
 
 
 _register_backend()
+# the root wires the parts that must not import each other
+_backend.default_runner = default_session  # what captured graphs run on when no session is given
+Session.make_trainer = _TrainingClient  # how a session trains on a worker (client never imports training)

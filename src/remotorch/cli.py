@@ -193,7 +193,7 @@ def _costs(text: str) -> float | list[float]:
 
 def _schedule(args: argparse.Namespace):
     """The schedule the arguments name: built by name, or read from --file and validated."""
-    from .pipeline import schedules
+    from .pipeline import builders, schedules
 
     if args.file:
         if args.name:
@@ -203,9 +203,9 @@ def _schedule(args: argparse.Namespace):
         return schedules.validate(schedules.parse(text, name=os.path.basename(args.file), stages=args.stages,
                                                   microbatches=args.microbatches))
     if not args.name or args.stages is None or args.microbatches is None:
-        raise schedules.ScheduleError("give a schedule name (one of " + ", ".join(schedules.SCHEDULES) +
+        raise schedules.ScheduleError("give a schedule name (one of " + ", ".join(builders.SCHEDULES) +
                                       ") with --stages and --microbatches, or --file FILE")
-    return schedules.build(args.name, args.stages, args.microbatches, chunks=args.chunks, workers=args.workers)
+    return builders.build(args.name, args.stages, args.microbatches, chunks=args.chunks, workers=args.workers)
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:

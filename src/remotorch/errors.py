@@ -124,19 +124,31 @@ class RequestTimeoutError(LimitExceededError):
 
 
 class MissingObjectsError(RemoteError):
-    """The worker does not hold graphs or tensors a request refers to.
+    """The worker does not hold objects a request refers to.
 
-    The session handles this itself by uploading them again (e.g. after a
-    worker restart); users see it only if the re-upload fails too.
+    ``graphs`` and ``tensors`` (content ids) the session uploads again itself
+    (e.g. after a worker restart); users see those only if the re-upload
+    fails too. ``handles``, ``slots`` and ``optims`` name worker-side state
+    (kept values, parameter slots, optimizers) that cannot be uploaded again.
     """
 
     kind = "missing"
 
     def __init__(self, message: str = "", *, graphs: list[str] | None = None,
-                 tensors: list[str] | None = None, remote_traceback: str | None = None) -> None:
+                 tensors: list[str] | None = None, handles: list[int] | None = None,
+                 slots: list[int] | None = None, optims: list[int] | None = None,
+                 remote_traceback: str | None = None) -> None:
         super().__init__(message, remote_traceback=remote_traceback)
         self.graphs = list(graphs or [])
         self.tensors = list(tensors or [])
+        self.handles = list(handles or [])
+        self.slots = list(slots or [])
+        self.optims = list(optims or [])
+
+    @property
+    def recoverable(self) -> bool:
+        """Whether uploading the graphs and tensors again is all it takes."""
+        return not (self.handles or self.slots or self.optims)
 
 
 class UnknownBackendError(RemoteError):
@@ -154,11 +166,11 @@ _BY_KIND: dict[str, type[RemoteError]] = {
 }
 
 
-def from_reply(kind: str, message: str, traceback: str | None,
-               graphs: list[str] | None = None, tensors: list[str] | None = None) -> RemoteError:
-    """Rebuild the exception a worker reported in an ``ErrorReply``."""
+def from_reply(kind: str, message: str, traceback: str | None, **missing) -> RemoteError:
+    """Rebuild the exception a worker reported in an ``ErrorReply`` (``missing``: its lists of
+    missing objects: graphs, tensors, handles, slots, optims)."""
     if kind == MissingObjectsError.kind:
-        return MissingObjectsError(message, graphs=graphs, tensors=tensors, remote_traceback=traceback)
+        return MissingObjectsError(message, remote_traceback=traceback, **missing)
     return _BY_KIND.get(kind, WorkerError)(message, remote_traceback=traceback)
 
 

@@ -16,14 +16,20 @@ into aten operators any worker runs.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
 from ..codec.ops import CORE_NAMESPACES
 from ..errors import UnsupportedGraphError
-from .graph import FALLBACKS, RemoteGraph, output_devices
+from .graph import FALLBACKS, GraphRunner, RemoteGraph, output_devices
 
 CUSTOM_OPS = ("worker", "decompose")
+
+
+# The runner graphs use when no session is given: ``remotorch.default_session``, set by the
+# package root (capture never imports the session, so the client can change without it).
+default_runner: Callable[[], GraphRunner] | None = None
 
 
 def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
@@ -115,7 +121,7 @@ def _saved_from() -> int | None:
     return n if isinstance(n, int) else getattr(meta, "num_forward_returns", None)
 
 
-def _output_plan(kind: str, n_outputs: int) -> tuple[frozenset[int], frozenset[int]]:
+def _aliased_outputs(kind: str, n_outputs: int) -> tuple[frozenset[int], frozenset[int]]:
     """(outputs that must come back as real tensors, inputs to fetch before a run).
 
     aot_autograd's runtime works on some values locally, reading their memory
@@ -153,10 +159,13 @@ def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: 
                   fallback: str, static: bool, kind: str = "inference", worker=None) -> RemoteGraph:
     """aot_autograd compiler hook: wrap one aten graph for remote execution."""
     from ..codec.graph import encode_graph
-    from ..client import default_session
 
     def runner():
-        return session if session is not None else default_session()
+        if session is not None:
+            return session
+        if default_runner is None:
+            raise RuntimeError("no default session: import remotorch (its root sets one)")
+        return default_runner()
 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -167,7 +176,7 @@ def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: 
     except UnsupportedGraphError as exc:
         unsupported = exc
     devices = output_devices(gm)
-    must_real, fetch_first = _output_plan(kind, len(devices))
+    must_real, fetch_first = _aliased_outputs(kind, len(devices))
     return RemoteGraph(payload, runner=runner, engine=engine, fallback=fallback,
                        resident=_static_indices(example_inputs) if static else [],
                        output_devices=devices, local=gm.forward, unsupported=unsupported,

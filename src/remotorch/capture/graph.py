@@ -75,15 +75,8 @@ class RemoteGraph:
         self.must_real = must_real  # outputs aot_autograd's runtime reads here: always sent back
         self.fetch_first = fetch_first  # inputs it reads here: fetched before the run if remote
         self.worker = worker  # which of the runner's workers runs it (None: the first)
-        self.read_outputs: set[int] = set()  # outputs Python read before: sent back, not kept
-        self.reused_inputs: set[int] = set()  # inputs a later graph of the same call took too: kept
-        self.layouts: dict = {}  # outputs' layouts by input signature (the runner learns them)
-
-    def keep_candidates(self) -> list[int]:
-        """Tensor outputs that may stay on the worker: not needed here, and not read by Python before."""
-        end = self.saved_from if self.saved_from is not None else len(self.output_devices)
-        return [i for i in range(end) if self.output_devices[i] is not None
-                and i not in self.must_real and i not in self.read_outputs]
+        # what the client learns of the graph while the program runs is the client's own
+        # (client.policy.GraphPolicy); nothing here changes after construction
 
     def __call__(self, *args) -> list:
         # Boxed (one list) or unboxed (aot wraps backward graphs): graph

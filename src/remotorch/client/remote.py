@@ -27,14 +27,14 @@ here instead, from its inputs, if they are all still alive and unchanged
 buffer, never a value computed from changed inputs.
 
 The handle is released on the worker when the last placeholder using it
-dies (the release rides on the next request of its connection).
+dies (the release rides on the next request of its connection). What happens
+to the values of a session that ends, and how placeholders travel in
+requests, is in :mod:`remotorch.client.values`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import weakref
 from typing import Protocol
 
@@ -65,17 +65,17 @@ class Connection(Protocol):
 class RemoteRef:
     """One worker handle, owned by the placeholders (and views) that stand for it."""
 
-    __slots__ = ("handle", "conn", "graph", "index", "copies", "launched", "recompute", "root", "views",
+    __slots__ = ("handle", "conn", "policy", "index", "copies", "launched", "recompute", "root", "views",
                  "__weakref__")
 
-    def __init__(self, handle: int, conn: Connection, graph=None, index: int = -1, launched=None) -> None:
+    def __init__(self, handle: int, conn: Connection, policy=None, index: int = -1, launched=None) -> None:
         self.handle = handle
         self.conn = conn
         self.launched = launched  # the asynchronous call that makes it, until its reply was read
-        self.graph = graph  # weak reference to the graph that produced it (learns which outputs are read)
+        self.policy = policy  # the client.policy.GraphPolicy of the graph that made it (learns what is read)
         self.index = index
         self.copies: dict[int, tuple] = {}  # id(connection) -> (connection, handle of a copy moved there)
-        self.recompute: Recompute | None = None  # how to make the value here if its worker is gone
+        self.recompute = None  # a values.Recompute: how to make the value here if its worker is gone
         self.root: weakref.ref | None = None  # the placeholder of the whole value (its views hold it)
         self.views: list[weakref.ref] = []  # lazy views of it (they share its local buffer)
 
@@ -97,51 +97,12 @@ class RemoteRef:
             launched.raise_error()
 
     def note_read(self) -> None:
-        graph = self.graph() if self.graph is not None else None
-        if graph is not None:
-            graph.read_outputs.add(self.index)
+        if self.policy is not None:
+            self.policy.read_outputs.add(self.index)
 
 
 # what a fetch that failed this way may be recomputed after: the worker or its session is gone
 _LOST = (errors.WorkerUnavailableError, errors.TransportError, errors.MissingObjectsError)
-
-
-class Recompute:
-    """Run a graph here from the inputs of one remote call, for the outputs it kept on a worker.
-
-    Holds the inputs weakly with their version counters: a value is remade
-    only from the very tensors it was made from, unchanged. The graph runs
-    at most once for all outputs of the call.
-    """
-
-    __slots__ = ("graph", "inputs", "outputs")
-
-    def __init__(self, graph, args) -> None:
-        self.graph = weakref.ref(graph)
-        self.inputs = [(weakref.ref(a), a._version) if isinstance(a, Tensor) else (a, None) for a in args]
-        self.outputs: list | None = None
-
-    def value(self, index: int, error: Exception) -> Tensor:
-        """Output ``index``, made here; ``error`` (the failed fetch's) when it cannot be."""
-        if self.outputs is None:
-            graph, args = self.graph(), []
-            for a, version in self.inputs:
-                t = a() if version is not None else a
-                if graph is None or (version is not None and (t is None or t._version != version)):
-                    raise error  # an input died or changed since: its value cannot be remade
-                args.append(t)
-            self.outputs = graph.run_locally(args, error)
-        return self.outputs[index]
-
-
-def recompute_locally(graph, args, outputs) -> None:
-    """Let the outputs of this call that stay on a worker be remade here if that worker is lost."""
-    rc = None
-    for o in outputs:
-        ref = remote_ref(o)
-        if ref is not None:
-            rc = rc or Recompute(graph, args)
-            ref.recompute = rc
 
 
 def _getter(name: str):
@@ -343,7 +304,7 @@ def _lazy_view(func, src: RemoteTensor, args, kwargs):
 
 
 # ----------------------------------------------------------------------- API
-def placeholder(conn: Connection, kept: m.KeptArg, device: torch.device | None, graph=None,
+def placeholder(conn: Connection, kept: m.KeptArg, device: torch.device | None, policy=None,
                 index: int = -1, launched=None) -> RemoteTensor:
     """A local stand-in for the tensor the worker kept (or, launched, will keep) as ``kept.id``."""
     if not _EAGER:
@@ -351,7 +312,7 @@ def placeholder(conn: Connection, kept: m.KeptArg, device: torch.device | None, 
     buf = torch.empty_strided(kept.shape, kept.strides, dtype=dtype_from_name(kept.dtype),
                               device=device if device is not None else "cpu")
     t = torch.Tensor._make_subclass(RemoteTensor, buf, False)
-    ref = t._rt_ref = RemoteRef(kept.id, conn, weakref.ref(graph) if graph is not None else None, index, launched)
+    ref = t._rt_ref = RemoteRef(kept.id, conn, policy, index, launched)
     ref.root = weakref.ref(t)
     conn.handles.track(ref)
     return t
@@ -384,53 +345,6 @@ def fill(t: RemoteTensor, value: Tensor) -> None:
                     v.__dict__.pop(key, None)
 
 
-def keep_values(conn: Connection, batch_bytes: int = 1 << 30, batch_count: int = 4096) -> int:
-    """Fetch every value this connection's worker still keeps for placeholders Python holds.
-
-    Before a session ends: from then on they are ordinary tensors here and
-    never become unreadable. One ``Fetch`` per batch (up to ``batch_count``
-    values or ``batch_bytes``); a batch the worker cannot answer whole (a
-    value it lost) is retried one value at a time, and what still fails stays
-    a placeholder that raises its typed error when read. Returns how many
-    values were fetched.
-    """
-    todo = []
-    for ref in conn.handles.values():
-        t = ref.root() if ref.root is not None else None
-        if t is None or t.__dict__.get("_rt_ref") is not ref:
-            continue
-        try:
-            ref.check()  # an asynchronous call still making it: wait for it (and skip it if it failed)
-        except errors.RemoteError:
-            continue
-        todo.append(t)
-    if not todo:
-        return 0
-    log.debug("fetching %d value(s) from %r before the session ends", len(todo), conn)
-    done, batch, size = 0, [], 0
-    for t in todo:
-        batch.append(t)
-        size += t.nbytes
-        if len(batch) >= batch_count or size >= batch_bytes:
-            done += _fetch_into(conn, batch)
-            batch, size = [], 0
-    return done + (_fetch_into(conn, batch) if batch else 0)
-
-
-def _fetch_into(conn: Connection, placeholders: list) -> int:
-    try:
-        values = conn.fetch_many([m.HandleArg(t.__dict__["_rt_ref"].handle) for t in placeholders])
-    except errors.RemoteError as exc:
-        if len(placeholders) == 1 or isinstance(exc, (errors.TransportError, errors.WorkerUnavailableError)):
-            log.warning("%d value(s) on %r could not be fetched before the session ended: %s",
-                        len(placeholders), conn, exc)
-            return 0
-        return sum(_fetch_into(conn, [t]) for t in placeholders)
-    for t, value in zip(placeholders, values):
-        fill(t, value)
-    return len(placeholders)
-
-
 def remote_ref(t) -> RemoteRef | None:
     """The handle a still-remote placeholder stands for, else None (also for every other value)."""
     return t.__dict__.get("_rt_ref") if type(t) is RemoteTensor else None
@@ -460,32 +374,3 @@ def fetch_all(values) -> None:
             v.materialize_()
 
 
-# ------------------------------------------------------------------ one call
-_SKIPPED_DIRS = tuple({os.path.dirname(torch.__file__) + os.sep,
-                       os.path.dirname(os.path.dirname(__file__)) + os.sep})
-_RESUME = ("torch_dynamo_resume_in_", "__resume_at_")
-
-
-_USER_CODE: dict = {}  # code object -> whether its frames are the user's (cached: frames are many)
-
-
-def call_scope():
-    """The frame of the user function whose compiled code runs the current graph.
-
-    The graphs of one call of a compiled function (split by graph breaks)
-    run from that function's frame or from dynamo's resume functions called
-    from it; a new call has a new frame. Inputs sent during one call may be
-    referenced by the next graphs of the same call (see ``client.reuse``).
-    """
-    f = sys._getframe(1)
-    known = _USER_CODE
-    while f is not None:
-        code = f.f_code
-        user = known.get(code)
-        if user is None:
-            user = known[code] = (not code.co_filename.startswith(_SKIPPED_DIRS)
-                                  and not code.co_name.startswith(_RESUME))
-        if user:
-            return f
-        f = f.f_back
-    return None

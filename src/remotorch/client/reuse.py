@@ -5,14 +5,14 @@ the wire follow what Python reads:
 
 * **inputs**: within one call of a compiled function (its graphs, split by
   graph breaks, run from that function's frame; see
-  :func:`remotorch.client.remote.call_scope`), a large tensor a later graph
+  :func:`call_scope`), a large tensor a later graph
   takes again was sent already. The graph that sent it first learns to keep
   it on the worker as a handle (``keep_inputs``), and from the next call on
   the later graph references it instead of receiving it again. A tensor
   counts as the same while it is the same object with the same version
   counter; the handles are released when the next call starts.
 * **outputs**: a graph sends back the outputs Python read before
-  (``RemoteGraph.read_outputs``); when such an output goes straight into
+  (``GraphPolicy.read_outputs``, :mod:`remotorch.client.policy`); when such an output goes straight into
   another graph, it was not needed here after all, and the graph keeps it on
   the worker again.
 
@@ -22,27 +22,31 @@ costs more than the bytes.
 
 from __future__ import annotations
 
+import os
+import sys
 import weakref
 from collections.abc import Sequence
 
 import torch
 
 from .handles import HandleTable
-from .remote import RemoteTensor, call_scope
+from .policy import Policies
+from .remote import RemoteTensor
 
 
 class InputReuse:
     """What one connection sent during the current call, and which outputs it sent back."""
 
-    def __init__(self, handles: HandleTable, min_bytes: int = 64 << 10) -> None:
+    def __init__(self, handles: HandleTable, policies: Policies, min_bytes: int = 64 << 10) -> None:
         self._handles = handles
+        self._policies = policies
         self.min_bytes = min_bytes
         self._scope = None  # the frame of the current call (held, so its id cannot name a later call)
-        # id(tensor) -> (tensor ref, version, graph ref, argument index, handle id or None)
+        # id(tensor) -> (tensor ref, version, graph policy, argument index, handle id or None)
         self._sent: dict[int, tuple] = {}
         self._sending: dict[int, tuple] = {}  # this request's additions, committed when it succeeds
         self.keep_inputs: list[list[int]] = []  # this request's [argument index, handle id] pairs
-        self._returned: dict[int, tuple] = {}  # id(output) -> (output ref, graph ref, output index)
+        self._returned: dict[int, tuple] = {}  # id(output) -> (output ref, graph policy, output index)
 
     def begin(self, args: Sequence, resident: frozenset[int] = frozenset()) -> bool:
         """Before a call's request: whether its large inputs take part (a new call releases the last
@@ -76,18 +80,16 @@ class InputReuse:
         if entry is not None and entry[0]() is t and entry[1] == t._version:
             if entry[4] is not None:
                 return entry[4]
-            origin = entry[2]()
-            if origin is not None:  # sent twice in one call: keep it at its first graph next time
-                origin.reused_inputs.add(entry[3])
+            entry[2].reused_inputs.add(entry[3])  # sent twice in one call: kept at its first graph next time
             return None
         if id(t) in self._sending:  # the same tensor twice in one request: sent twice
             return None
-        hid = None
-        if i in getattr(graph, "reused_inputs", ()):
+        hid, policy = None, self._policies.of(graph)
+        if i in policy.reused_inputs:
             hid = self._handles.reserve(1)
             self._handles.seen(hid)
             self.keep_inputs.append([i, hid])
-        self._sending[id(t)] = (weakref.ref(t), t._version, weakref.ref(graph), i, hid)
+        self._sending[id(t)] = (weakref.ref(t), t._version, policy, i, hid)
         return None
 
     def committed(self) -> None:
@@ -105,14 +107,44 @@ class InputReuse:
 
     def returned(self, graph, i: int, value) -> None:
         """An output sent back because Python read it before."""
-        if i in graph.read_outputs and isinstance(value, torch.Tensor) and value.nbytes >= self.min_bytes:
+        policy = self._policies.of(graph)
+        if i in policy.read_outputs and isinstance(value, torch.Tensor) and value.nbytes >= self.min_bytes:
             key = id(value)
             self._returned[key] = (weakref.ref(value, lambda _, k=key, d=self._returned: d.pop(k, None)),
-                                   weakref.ref(graph), i)
+                                   policy, i)
 
     def _came_back(self, t) -> None:
         entry = self._returned.pop(id(t), None)
         if entry is not None and entry[0]() is t:
-            graph = entry[1]()
-            if graph is not None:
-                graph.read_outputs.discard(entry[2])
+            entry[1].read_outputs.discard(entry[2])
+
+
+# ------------------------------------------------------------------ one call
+_SKIPPED_DIRS = tuple({os.path.dirname(torch.__file__) + os.sep,
+                       os.path.dirname(os.path.dirname(__file__)) + os.sep})
+_RESUME = ("torch_dynamo_resume_in_", "__resume_at_")
+
+
+_USER_CODE: dict = {}  # code object -> whether its frames are the user's (cached: frames are many)
+
+
+def call_scope():
+    """The frame of the user function whose compiled code runs the current graph.
+
+    The graphs of one call of a compiled function (split by graph breaks)
+    run from that function's frame or from dynamo's resume functions called
+    from it; a new call has a new frame. Inputs sent during one call may be
+    referenced by the next graphs of the same call (see ``client.reuse``).
+    """
+    f = sys._getframe(1)
+    known = _USER_CODE
+    while f is not None:
+        code = f.f_code
+        user = known.get(code)
+        if user is None:
+            user = known[code] = (not code.co_filename.startswith(_SKIPPED_DIRS)
+                                  and not code.co_name.startswith(_RESUME))
+        if user:
+            return f
+        f = f.f_back
+    return None

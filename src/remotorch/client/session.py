@@ -14,7 +14,6 @@ session's training client, which :mod:`remotorch.training` provides.
 from __future__ import annotations
 
 import threading
-import weakref
 from functools import partial
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, Protocol
@@ -23,17 +22,17 @@ import torch
 
 from .. import errors
 from ..codec import messages as m
-from ..codec.frames import FrameReader
 from ..config import from_env, parse_spin_us
 from ..transport import Transport
-from .connection import Connection, ContentIds, Graph, Launched
+from .connection import Connection, ContentIds, Graph
 from .embedded import EmbeddedWorker
 from .progress import upload_bar
-from .remote import fill, placeholder, recompute_locally
+from . import values
+from .values import recompute_locally
 from .pool import Pool, split_urls
 
 
-class StatefulRunner(Protocol):
+class Trainer(Protocol):
     """What a session's training client offers it (see :class:`remotorch.training.client.TrainingClient`)."""
 
     keep_outputs: bool  # a forward's outputs Python has not read stay on the worker
@@ -125,9 +124,9 @@ class Session:
     one in unit tests).
     """
 
-    #: Makes the training client of a connection; set by :mod:`remotorch.training.client`
-    #: (imported with ``remotorch``), which builds on this module and not the reverse.
-    training_factory: ClassVar[Callable[[Connection], StatefulRunner] | None] = None
+    #: Makes the training client of a connection (``TrainingClient``); set by the package root,
+    #: since training builds on this module and not the reverse.
+    make_trainer: ClassVar[Callable[[Connection], Trainer] | None] = None
 
     def __init__(self, url: str | Sequence[str] | None = None, *, token: str | None = None, device: str = "auto",
                  timeout: float | None = 300.0, connect_timeout: float = 5.0,
@@ -162,7 +161,7 @@ class Session:
         self._closed = False
         self._fallbacks = 0
         self.ids = ContentIds()  # content ids of resident tensors, shared by all workers
-        self._trainers: dict[int, StatefulRunner] = {}  # by id(connection), made when first needed
+        self._trainers: dict[int, Trainer] = {}  # by id(connection), made when first needed
         options = dict(connect_timeout=connect_timeout, timeout=timeout, tls_ca=tls_ca or env.tls_ca,
                        spin_s=self._spin_s, retry_after=retry_after)
         first = [transport]
@@ -257,7 +256,7 @@ class Session:
         out = dict(remote_calls=0, fallbacks=self._fallbacks, graphs_uploaded=0, tensors_uploaded=0,
                    remote_ms=0.0, values_fetched=0, values_moved=0, bytes_sent=0, bytes_received=0)
         for conn in self.pool.opened:
-            for key, value in conn.stats.items():
+            for key, value in conn.stats.as_dict().items():
                 out[key] += value
             out["bytes_sent"] += conn.bytes_sent
             out["bytes_received"] += conn.bytes_received
@@ -275,7 +274,6 @@ class Session:
         """One connection per worker, named after the workers (every worker must answer)."""
         return self.pool.all()
 
-    worker_links = connections  # the name before connections were one class
 
     def workers(self) -> list[dict]:
         """Each worker's health reply (asked now) plus ``url`` and ``price_per_hour`` after overrides."""
@@ -292,11 +290,11 @@ class Session:
 
     # ------------------------------------------------------------------ training
     @property
-    def training(self) -> StatefulRunner | None:
+    def training(self) -> Trainer | None:
         """The first worker's training client, if a graph or an optimizer needed one."""
         return self._trainers.get(id(self.connection)) if self.pool.opened else None
 
-    def stateful(self, conn: Connection | None = None) -> StatefulRunner:
+    def trainer(self, conn: Connection | None = None) -> Trainer:
         """The training client of a worker (default the first): activation handles, parameter
         slots, optimizers there; made on first use."""
         conn = conn if conn is not None else self.connection
@@ -305,9 +303,9 @@ class Session:
             with self._lock:
                 trainer = self._trainers.get(id(conn))
                 if trainer is None:
-                    if Session.training_factory is None:
-                        raise RuntimeError("remotorch.training is not imported")
-                    trainer = self._trainers[id(conn)] = Session.training_factory(conn)
+                    if Session.make_trainer is None:
+                        raise RuntimeError("no training client: import remotorch (its root sets one)")
+                    trainer = self._trainers[id(conn)] = Session.make_trainer(conn)
                     trainer.keep_outputs, trainer.keep_min_bytes = self.keep_outputs, self.keep_min_bytes
         return trainer
 
@@ -350,20 +348,22 @@ class Session:
         conn = self.connection_for(graph.worker)
         training = self._trainers.get(id(conn))
         if graph.kind != "inference" or (training is not None and training.bound):
-            return self.stateful(conn).run(graph, args)
-        keep = graph.keep_candidates() if self.keep_outputs else ()
+            return self.trainer(conn).run(graph, args)
+        policy = conn.policies.of(graph)
+        keep = policy.keep(graph) if self.keep_outputs else ()
         if not keep:
             reply, frames = conn.run(graph, args)
             return conn.unpack(graph, reply.outputs, frames)
         signature = _signature(args) if self.async_calls else None
-        layout = graph.layouts.get(signature) if signature is not None else None
+        layout = policy.layouts.get(signature) if signature is not None else None
         if layout is not None and conn.can_launch:
-            outs = launch_run(conn, graph, args, keep, layout)
+            outs = values.launch(conn, graph, args, keep, layout)
         else:
-            reply, frames = conn.run(graph, args, keep=keep, handle_base=conn.handles.reserve(len(keep)),
-                                     keep_min_bytes=0 if signature is not None else self.keep_min_bytes)
+            fields = dict(keep=keep, handle_base=conn.handles.reserve(len(keep)),
+                          keep_min_bytes=0 if signature is not None else self.keep_min_bytes)
+            reply, frames = conn.run(graph, args, fields=fields)
             if signature is not None and all(isinstance(o, (m.KeptArg, m.ScalarArg)) for o in reply.outputs):
-                graph.layouts[signature] = reply.outputs  # the next call like this may launch without waiting
+                policy.layouts[signature] = reply.outputs  # the next call like this may launch without waiting
             outs = conn.unpack(graph, reply.outputs, frames)
         if getattr(graph, "fallback", "raise") == "local":
             recompute_locally(graph, args, outs)  # kept values are remade here if their worker is lost
@@ -405,55 +405,6 @@ def _names(value: str | Sequence[str] | None) -> tuple[str, ...]:
 def _signature(args: Sequence) -> tuple:
     """What an output layout depends on: each argument's sizes and dtype, or its value."""
     return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
-
-
-def launch_run(conn: Connection, graph: Graph, args: Sequence, keep: list[int], layout: list) -> list:
-    """Run a graph without waiting: placeholders now (from ``layout``), checked when the reply comes."""
-    base = conn.handles.reserve(len(keep))
-    ids = {i: base + j for j, i in enumerate(keep)}
-    made: dict[int, tuple] = {}  # output index -> (placeholder ref, the KeptArg expected)
-
-    def on_reply(reply, frames) -> None:
-        if not isinstance(reply, m.RunReply) or len(reply.outputs) != len(layout):
-            raise errors.ProtocolError("worker answered a launched run with the wrong reply")
-        conn.stats["remote_calls"] += 1
-        conn.stats["remote_ms"] += reply.run_ms
-        reader = FrameReader(frames)
-        for i, arg in enumerate(reply.outputs):
-            if i not in made:
-                continue
-            ph, kept = made[i][0](), made[i][1]
-            if isinstance(arg, m.TensorArg):  # sent back after all (over the quota): here it is
-                if ph is not None and ph.__dict__.get("_rt_ref") is not None:
-                    fill(ph, reader.value(arg))
-            elif not isinstance(arg, m.KeptArg) or (arg.id, arg.shape, arg.strides) != \
-                    (kept.id, kept.shape, kept.strides):
-                raise errors.ProtocolError(f"graph {graph.graph_id[:12]}: an output's layout changed")
-            elif ph is not None and ph.__dict__.get("_rt_ref") is not None:
-                ph._rt_ref.launched = None  # made: reads need not wait for anything
-
-    launched = Launched(f"graph {graph.graph_id[:12]}", on_reply)
-    outs = []
-    for i, (arg, device) in enumerate(zip(layout, graph.output_devices)):
-        if isinstance(arg, m.KeptArg):
-            kept = m.KeptArg(ids[i], arg.dtype, arg.shape, arg.strides)
-            conn.handles.seen(kept.id)
-            ph = placeholder(conn, kept, device, graph, i, launched)
-            made[i] = (weakref.ref(ph), kept)
-            outs.append(ph)
-        else:
-            outs.append(arg.value)
-    body, frames = _build_run(conn, graph, args, keep, base)
-    conn.launch(body, frames, launched)
-    return outs
-
-
-def _build_run(conn: Connection, graph: Graph, args: Sequence, keep: list[int], base: int):
-    conn.import_values(args)
-    with conn.lock:
-        conn.ensure_graph(graph)
-        run_args, frames = conn.pack_args(graph, args)
-    return m.RunGraph(graph.graph_id, graph.engine, run_args, keep=keep, handle_base=base, keep_min_bytes=0), frames
 
 
 _default: Session | None = None

@@ -14,7 +14,6 @@ the decoder, never taken from the document.
 from __future__ import annotations
 
 import hashlib
-import operator
 from dataclasses import dataclass, field
 
 import msgspec

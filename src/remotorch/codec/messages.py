@@ -11,7 +11,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
@@ -73,7 +73,7 @@ class KeptArg(msgspec.Struct, frozen=True, tag="k", array_like=True):
 
 
 Arg = Union[TensorArg, RefArg, ScalarArg]
-ResidentArg = Union[TensorArg, RefArg, ScalarArg, HandleArg, SlotArg, ViewArg]
+RunArg = Union[TensorArg, RefArg, ScalarArg, HandleArg, SlotArg, ViewArg]
 OutputArg = Union[TensorArg, ScalarArg, HandleArg, KeptArg]
 
 
@@ -82,8 +82,8 @@ class Health(msgspec.Struct, frozen=True, tag="health", omit_defaults=True):
     """Ask who the worker is and what it offers."""
 
 
-class Pending(msgspec.Struct, frozen=True, tag="pending", omit_defaults=True):
-    """Housekeeping the client deferred: applied before the request that carries it.
+class Pending(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """Housekeeping the client deferred, on the envelope: applied before the request it carries.
 
     ``zero_grad``: optimizers whose gradients are cleared (set to None) first;
     then the handles, parameter slots, optimizers and uploaded tensors
@@ -98,13 +98,16 @@ class Pending(msgspec.Struct, frozen=True, tag="pending", omit_defaults=True):
     tensors: list[str] = []
 
 
+class Flush(msgspec.Struct, frozen=True, tag="flush", omit_defaults=True):
+    """Nothing but the envelope's housekeeping (answered ``Ok``)."""
+
+
 class PutGraph(msgspec.Struct, frozen=True, tag="put_graph", omit_defaults=True):
     """Upload a graph document; frames hold its tensor constants (see ``consts``)."""
 
     graph_id: str
     doc: bytes
     consts: list[TensorMeta] = []
-    pending: Union[Pending, None] = None
 
 
 class PutTensors(msgspec.Struct, frozen=True, tag="put_tensors", omit_defaults=True):
@@ -112,25 +115,42 @@ class PutTensors(msgspec.Struct, frozen=True, tag="put_tensors", omit_defaults=T
 
     ids: list[str]
     metas: list[TensorMeta]
-    pending: Union[Pending, None] = None
 
 
-class RunGraph(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
-    """Run an uploaded graph on an engine with the given flat arguments.
+class SendOutputs(msgspec.Struct, frozen=True, array_like=True):
+    """After the run, deliver these outputs to the worker at ``url`` under its ticket (§18)."""
 
-    Tensor outputs whose index is in ``keep`` stay on the worker as handles
-    ``handle_base``, ``handle_base + 1``, … in ``keep`` order, answered as
-    ``KeptArg`` (the worker may send one inline instead, e.g. over its quota).
+    outputs: list[int]
+    url: str
+    ticket_id: bytes
+    secret: bytes
+
+
+class Run(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
+    """Run an uploaded graph on an engine with the given flat arguments; say what becomes of each output.
+
+    * Tensor outputs at index >= ``saved_from`` (a training forward's
+      activations saved for its backward) stay on the worker as handles
+      ``handle_base``, ``handle_base + 1``, … and are answered as ``HandleArg``.
+    * Tensor outputs listed in ``keep`` stay there as the next handle ids, in
+      ``keep`` order, answered as ``KeptArg`` (the worker may send one inline
+      instead: smaller than ``keep_min_bytes``, or over the session's quota).
+    * ``grads`` pairs ``[output index, slot id]``: that output is accumulated
+      into the slot's gradient (answered as a nil scalar).
+    * ``send``: outputs delivered worker to worker before the reply (nil here).
+    * Everything else is sent back inline.
     """
 
     graph_id: str
     engine: str
-    args: list[ResidentArg]
+    args: list[RunArg]
     keep: list[int] = []
     handle_base: int = 0
-    pending: Union[Pending, None] = None
-    keep_min_bytes: int = 0  # outputs of ``keep`` smaller than this are sent back anyway
+    keep_min_bytes: int = 0
     keep_inputs: list[list[int]] = []  # [argument index, handle id]: keep these inputs as handles too
+    saved_from: int = -1
+    grads: list[list[int]] = []
+    send: list[SendOutputs] = []
 
 
 class Echo(msgspec.Struct, frozen=True, tag="echo", omit_defaults=True):
@@ -183,7 +203,8 @@ class Ok(msgspec.Struct, frozen=True, tag="ok", omit_defaults=True):
 
 
 class RunReply(msgspec.Struct, frozen=True, tag="run_reply", omit_defaults=True):
-    """Flat outputs (tensors in frames, scalars inline, kept ones as handles) and the worker's own timing."""
+    """A ``Run``'s flat outputs (tensors in frames, scalars inline, the others as ``Run`` says) and the
+    worker's own timing."""
 
     outputs: list[OutputArg]
     run_ms: float
@@ -200,46 +221,18 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error", omit_defaults=True):
     kind: str
     message: str
     traceback: Union[str, None] = None
-    graphs: list[str] = []
+    graphs: list[str] = []  # ``missing``: graph ids and content ids the client can upload again,
     tensors: list[str] = []
+    handles: list[int] = []  # and worker-side state it cannot (saved activations, values, slots, optimizers)
+    slots: list[int] = []
+    optims: list[int] = []
 
 
-# ---------------------------------------------------- training: resident state
+# ------------------------------------------- training: parameter slots, optimizers
 # Saved activations, trainable parameters and optimizers stay on the worker,
 # in the session; the client names them by small integers it chooses itself
 # (never reused within a client session, so a stale id can never name new state).
-# Every training request may carry ``pending`` housekeeping, applied first.
 Hyper = Union[int, float, bool, None, str, list[Union[int, float, bool]]]
-
-
-class SendOutputs(msgspec.Struct, frozen=True, array_like=True):
-    """After the run, deliver these outputs to the worker at ``url`` under its ticket (§18)."""
-
-    outputs: list[int]
-    url: str
-    ticket_id: bytes
-    secret: bytes
-
-
-class RunResident(msgspec.Struct, frozen=True, tag="run_resident", omit_defaults=True):
-    """RunGraph with resident state: handles and slots as arguments, outputs kept or accumulated.
-
-    Outputs at index >= ``keep_from`` that are tensors stay on the worker as
-    handles ``handle_base``, ``handle_base + 1``, …; ``grads`` pairs
-    ``[output index, slot id]`` accumulate that output into the slot's gradient.
-    """
-
-    graph_id: str
-    engine: str
-    args: list[ResidentArg]
-    keep_from: int = -1
-    handle_base: int = 0
-    grads: list[list[int]] = []
-    pending: Union[Pending, None] = None
-    keep: list[int] = []  # outputs before keep_from kept too (as KeptArg), numbered after the saved ones
-    keep_min_bytes: int = 0
-    keep_inputs: list[list[int]] = []
-    send: list[SendOutputs] = []  # outputs delivered worker to worker (contiguous) before the reply
 
 
 class BindSlots(msgspec.Struct, frozen=True, tag="bind_slots", omit_defaults=True):
@@ -247,7 +240,6 @@ class BindSlots(msgspec.Struct, frozen=True, tag="bind_slots", omit_defaults=Tru
 
     slots: list[int]
     values: list[Union[TensorArg, RefArg]]
-    pending: Union[Pending, None] = None
 
 
 class AccumulateGrads(msgspec.Struct, frozen=True, tag="accumulate_grads", omit_defaults=True):
@@ -255,7 +247,6 @@ class AccumulateGrads(msgspec.Struct, frozen=True, tag="accumulate_grads", omit_
 
     slots: list[int]
     metas: list[TensorMeta]
-    pending: Union[Pending, None] = None
 
 
 class PullSlots(msgspec.Struct, frozen=True, tag="pull_slots", omit_defaults=True):
@@ -263,7 +254,6 @@ class PullSlots(msgspec.Struct, frozen=True, tag="pull_slots", omit_defaults=Tru
 
     slots: list[int]
     grads: bool = False
-    pending: Union[Pending, None] = None
 
 
 class OptimCreate(msgspec.Struct, frozen=True, tag="optim_create", omit_defaults=True):
@@ -273,7 +263,6 @@ class OptimCreate(msgspec.Struct, frozen=True, tag="optim_create", omit_defaults
     name: str
     groups: list[list[int]]
     hyper: list[dict[str, Hyper]]
-    pending: Union[Pending, None] = None
 
 
 class OptimStep(msgspec.Struct, frozen=True, tag="optim_step", omit_defaults=True):
@@ -281,7 +270,6 @@ class OptimStep(msgspec.Struct, frozen=True, tag="optim_step", omit_defaults=Tru
 
     optim: int
     hyper: list[dict[str, Hyper]] = []
-    pending: Union[Pending, None] = None
 
 
 class OptimZeroGrad(msgspec.Struct, frozen=True, tag="optim_zero_grad", omit_defaults=True):
@@ -289,7 +277,6 @@ class OptimZeroGrad(msgspec.Struct, frozen=True, tag="optim_zero_grad", omit_def
 
     optim: int
     set_to_none: bool = True
-    pending: Union[Pending, None] = None
 
 
 class ClipGradNorm(msgspec.Struct, frozen=True, tag="clip_grad_norm", omit_defaults=True):
@@ -299,14 +286,12 @@ class ClipGradNorm(msgspec.Struct, frozen=True, tag="clip_grad_norm", omit_defau
     max_norm: float
     norm_type: float = 2.0
     error_if_nonfinite: bool = False
-    pending: Union[Pending, None] = None
 
 
 class OptimGetState(msgspec.Struct, frozen=True, tag="optim_get_state", omit_defaults=True):
     """Ask for an optimizer's per-parameter state (for a checkpoint)."""
 
     optim: int
-    pending: Union[Pending, None] = None
 
 
 class OptimSetState(msgspec.Struct, frozen=True, tag="optim_set_state", omit_defaults=True):
@@ -314,7 +299,6 @@ class OptimSetState(msgspec.Struct, frozen=True, tag="optim_set_state", omit_def
 
     optim: int
     entries: list[tuple[int, str, Union[TensorArg, ScalarArg]]]
-    pending: Union[Pending, None] = None
 
 
 class OptimStateReply(msgspec.Struct, frozen=True, tag="optim_state_reply", omit_defaults=True):
@@ -325,14 +309,6 @@ class OptimStateReply(msgspec.Struct, frozen=True, tag="optim_state_reply", omit
     """
 
     entries: list[tuple[int, str, Union[TensorArg, ScalarArg]]]
-
-
-class ResidentReply(msgspec.Struct, frozen=True, tag="resident_reply", omit_defaults=True):
-    """Outputs of a RunResident: tensors in frames, scalars, or handles kept on the worker."""
-
-    outputs: list[OutputArg]
-    run_ms: float
-    compiled: bool = False
 
 
 class PullReply(msgspec.Struct, frozen=True, tag="pull_reply", omit_defaults=True):
@@ -375,7 +351,6 @@ class Fetch(msgspec.Struct, frozen=True, tag="fetch", omit_defaults=True):
     """Send back the tensors of handles (or of views of them), without dropping them."""
 
     args: list[Union[HandleArg, ViewArg]]
-    pending: Union[Pending, None] = None
 
 
 class FetchReply(msgspec.Struct, frozen=True, tag="fetch_reply", omit_defaults=True):
@@ -393,7 +368,6 @@ class ExpectHandles(msgspec.Struct, frozen=True, tag="expect_handles", omit_defa
 
     handles: list[int]
     metas: list[TensorMeta]  # dtype, shape, strides of each (``frame`` unused)
-    pending: Union[Pending, None] = None
     ttl_s: float = 0.0  # how long the ticket may wait (0: the worker's default; capped by the worker)
 
 
@@ -413,7 +387,6 @@ class SendHandles(msgspec.Struct, frozen=True, tag="send_handles", omit_defaults
     url: str
     ticket_id: bytes
     secret: bytes
-    pending: Union[Pending, None] = None
 
 
 class Deliver(msgspec.Struct, frozen=True, tag="deliver", omit_defaults=True):
@@ -423,33 +396,35 @@ class Deliver(msgspec.Struct, frozen=True, tag="deliver", omit_defaults=True):
 
 
 # ------------------------------------------------------------ every message, once
-Request = Union[Health, PutGraph, PutTensors, RunGraph, Echo,  # core (§8.1)
+Request = Union[Health, PutGraph, PutTensors, Run, Echo, Flush,  # core (§8.1)
                 Attach, Heartbeat, Detach,  # sessions (§8.4)
                 ProfileGraph,  # profiling (§8.3)
-                Pending, RunResident, BindSlots, AccumulateGrads, PullSlots, OptimCreate,  # training (§17)
+                BindSlots, AccumulateGrads, PullSlots, OptimCreate,  # training (§17)
                 OptimStep, OptimZeroGrad, ClipGradNorm, OptimGetState, OptimSetState,
                 Fetch, ExpectHandles, SendHandles, Deliver]  # values that stay on the worker (§18)
 Reply = Union[HealthReply, Ok, RunReply, EchoReply, ErrorReply, AttachReply, ProfileReply,
-              ResidentReply, PullReply, NormReply, OptimStateReply, FetchReply, TicketReply]
+              PullReply, NormReply, OptimStateReply, FetchReply, TicketReply]
 
 
-class Envelope(msgspec.Struct, frozen=True, array_like=True):
-    """Frame 0 of every message: protocol version plus one request or reply."""
+class Envelope(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """Frame 0 of every message: protocol version, one request or reply, and (requests only)
+    the session's deferred housekeeping, applied before the request."""
 
     v: int
     body: Union[Request, Reply]
+    pending: Union[Pending, None] = None
 
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Envelope)
 
 
-def encode(body: Request | Reply) -> bytes:
-    """Serialize a message body into frame 0."""
-    return _encoder.encode(Envelope(PROTOCOL_VERSION, body))
+def encode(body: Request | Reply, pending: Pending | None = None) -> bytes:
+    """Serialize a message body (and a request's housekeeping) into frame 0."""
+    return _encoder.encode(Envelope(PROTOCOL_VERSION, body, pending))
 
 
-def decode(frame0: bytes | memoryview) -> Request | Reply:
+def decode_envelope(frame0: bytes | memoryview) -> Envelope:
     """Parse frame 0; raises ``msgspec.ValidationError``/``DecodeError`` on bad input."""
     try:
         env = _decoder.decode(frame0)
@@ -458,4 +433,9 @@ def decode(frame0: bytes | memoryview) -> Request | Reply:
     if env.v != PROTOCOL_VERSION:
         raise msgspec.ValidationError(
             f"protocol version {env.v} is not supported (this side speaks {PROTOCOL_VERSION})")
-    return env.body
+    return env
+
+
+def decode(frame0: bytes | memoryview) -> Request | Reply:
+    """Parse frame 0 into its body (the housekeeping, if any, is dropped: see :func:`decode_envelope`)."""
+    return decode_envelope(frame0).body

@@ -3,15 +3,15 @@
 ``Pipeline`` (:mod:`.pipe`) splits a model (:mod:`.split`) and trains it;
 :mod:`.runtime` is the one interpreter that runs any valid schedule on the
 workers, stage requests in :mod:`.stage`, optimizers in :mod:`.optim`.
-``pipeline.schedules`` holds schedules as data (build, parse, validate);
-``pipeline.simulate`` times them; ``pipeline.chart`` draws the timeline.
+``pipeline.schedules`` holds schedules as data (parse, validate);
+``pipeline.builders`` builds the textbook ones; ``pipeline.simulate`` times them; ``pipeline.chart`` draws the timeline.
 Importing this package imports nothing heavy (no torch) until ``Pipeline``
 is used, so ``remotorch schedule`` starts fast.
 """
 
-from . import schedules
+from . import builders, schedules
 
-__all__ = ["Pipeline", "PipelineOptimizer", "PipelineSplitError", "schedules"]
+__all__ = ["Pipeline", "PipelineOptimizer", "PipelineSplitError", "builders", "schedules"]
 
 
 def __getattr__(name: str):

@@ -33,7 +33,7 @@ class PipelineOptimizer(torch.optim.Optimizer):
         self._loaded: dict | None = None
 
     def _parts(self) -> list[tuple[list[str], RemoteOptimizer]]:
-        if not self.parts and self.pipe.plan is not None:
+        if not self.parts and self.pipe.layout is not None:
             for client, named in self.pipe.parameters_by_worker():
                 if not named:
                     continue

@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 
 from ..client.session import Session, default_session
 from .optim import PipelineOptimizer
-from .runtime import Plan, StepRun
+from .runtime import StageLayout, StepRun
 from .split import Split, split_model
 from .stage import StageRunner
 
@@ -58,7 +58,7 @@ class Pipeline:
         self.engine = engine
         self.schedule = None
         self.split: Split | None = None
-        self.plan: Plan | None = None
+        self.layout: StageLayout | None = None
         self._shapes = None
         self._optimizer: PipelineOptimizer | None = None
         self.last_step: StepRun | None = None
@@ -98,21 +98,21 @@ class Pipeline:
         runners = []
         for stage in self.split.stages:
             conn = conns[placement[stage.index]]
-            runners.append(StageRunner(stage, self.session.stateful(conn), self.engine))
-        self.plan = Plan(runners, placement, [conns[w].url or "" for w in range(workers)])
+            runners.append(StageRunner(stage, self.session.trainer(conn), self.engine))
+        self.layout = StageLayout(runners, placement, [conns[w].url or "" for w in range(workers)])
         for r in runners:
             r.bind()
         log.info("pipeline: %d stages on %d workers, schedule %s", self.num_stages, workers, self.schedule.name)
 
     def _make_schedule(self, workers: int):
-        from . import schedules
+        from . import builders, schedules
         spec = self.schedule_spec
         if isinstance(spec, str):
             chunks = self.num_stages // workers if "interleaved" in spec.lower() else 1
             if "interleaved" in spec.lower() and self.num_stages % workers:
                 raise ValueError(f"{spec} needs the stages ({self.num_stages}) to be a multiple of the "
                                  f"workers ({workers})")
-            sched = schedules.build(spec, self.num_stages, self.microbatches, chunks=chunks, workers=workers)
+            sched = builders.build(spec, self.num_stages, self.microbatches, chunks=chunks, workers=workers)
         else:
             sched = spec
         schedules.validate(sched)
@@ -133,13 +133,13 @@ class Pipeline:
         Every tensor in them is split along dimension 0 into the microbatches.
         """
         mbs, shapes = self._chunks(x, y)
-        if self.plan is None:
+        if self.layout is None:
             self._build(mbs[0])
             self._shapes = shapes
         elif shapes != self._shapes:
             raise ValueError(f"microbatch shapes changed from {self._shapes} to {shapes}: a pipeline is "
                              "traced for one shape (make a new Pipeline for another)")
-        for r in self.plan.runners:
+        for r in self.layout.runners:
             r.bind()  # parameters changed here since (load_state_dict, a local edit) go up first
         n_args = self.split.n_inputs
         leaves, targets = [], []
@@ -147,7 +147,7 @@ class Pipeline:
             flat = [t for t in pytree.tree_leaves((args, target)) if isinstance(t, torch.Tensor)]
             leaves.append(flat[:n_args])
             targets.append(flat[n_args:])
-        run = StepRun(self.plan, self.schedule, leaves, targets)
+        run = StepRun(self.layout, self.schedule, leaves, targets)
         self.last_step = run
         return run.run()
 
@@ -177,11 +177,11 @@ class Pipeline:
 
     def parameters_by_worker(self) -> list[tuple[object, list[tuple[str, torch.Tensor]]]]:
         """(training client, [(name, parameter)]) per worker that holds stages (after the first step)."""
-        if self.plan is None:
+        if self.layout is None:
             return []
         names = {id(p): n for n, p in self.model.named_parameters()}
         by_client: dict[int, tuple] = {}
-        for r in self.plan.runners:
+        for r in self.layout.runners:
             entry = by_client.setdefault(id(r.client), (r.client, []))
             entry[1].extend((names[id(p)], p) for p in r.params)
         return list(by_client.values())

@@ -31,7 +31,7 @@ import torch
 from .. import errors
 from ..codec import messages as m
 from ..codec.tensors import contiguous_strides, dtype_name
-from .stage import Delivery, Microbatch, StageRunner
+from .stage import Delivery, MicrobatchHandles, StageRunner
 
 TICKET_TTL_S = 3600.0  # tickets of a step wait at most this long (the worker may cap it)
 
@@ -51,7 +51,7 @@ class Edge:
 
 
 @dataclass
-class Plan:
+class StageLayout:
     """What does not change between steps: stages, where they run, and the edges between them."""
 
     runners: list[StageRunner]
@@ -76,12 +76,12 @@ class Plan:
 class StepRun:
     """One ``pipe.step``: microbatches through the schedule on every worker."""
 
-    def __init__(self, plan: Plan, schedule, leaves: list[list], targets: list[list]) -> None:
-        self.plan = plan
+    def __init__(self, layout: StageLayout, schedule, leaves: list[list], targets: list[list]) -> None:
+        self.layout = layout
         self.schedule = schedule
         self.leaves, self.targets = leaves, targets
         self.n = len(leaves)
-        self.mbs = [[Microbatch() for _ in range(self.n)] for _ in plan.runners]
+        self.mbs = [[MicrobatchHandles() for _ in range(self.n)] for _ in layout.runners]
         self.done: dict[tuple, threading.Event] = defaultdict(threading.Event)
         self.tickets: dict[tuple, tuple[threading.Event, list]] = defaultdict(lambda: (threading.Event(), []))
         self.losses: list[torch.Tensor | None] = [None] * self.n
@@ -95,22 +95,22 @@ class StepRun:
         """Transfers this worker receives per microbatch, grouped one ticket each:
         ("F", src, dst) activations, ("B", dst, src) gradients."""
         groups: dict[tuple, list[Edge]] = defaultdict(list)
-        for e in self.plan.edges:
-            if not self.plan.remote(e):
+        for e in self.layout.edges:
+            if not self.layout.remote(e):
                 continue
-            if self.plan.placement[e.dst] == worker:
+            if self.layout.placement[e.dst] == worker:
                 groups[("F", e.src, e.dst)].append(e)
-            if self.plan.placement[e.src] == worker and self.plan.grad_flows(e):
+            if self.layout.placement[e.src] == worker and self.layout.grad_flows(e):
                 groups[("B", e.dst, e.src)].append(e)
         return groups
 
     def _issue_tickets(self, worker: int) -> None:
         for (kind, frm, to), edges in self._incoming(worker).items():
-            runner = self.plan.runners[to]
+            runner = self.layout.runners[to]
             for mb in range(self.n):
                 metas, hids = [], []
                 for e in edges:
-                    src = self.plan.runners[e.src].graphs
+                    src = self.layout.runners[e.src].graphs
                     dtype, shape, _ = src.output_meta[e.output]
                     metas.append(m.TensorMeta(dtype_name(dtype), list(shape), contiguous_strides(shape), 0))
                     hids.append(runner.client.handles.reserve(1))
@@ -131,19 +131,19 @@ class StepRun:
     def _deliveries(self, kind: str, stage: int, mb: int) -> list[Delivery]:
         """What an action sends to other workers: one delivery per receiving stage, with its ticket."""
         out: dict[int, list[Edge]] = defaultdict(list)
-        for e in self.plan.edges:
-            if not self.plan.remote(e):
+        for e in self.layout.edges:
+            if not self.layout.remote(e):
                 continue
             if kind == "F" and e.src == stage:
                 out[e.dst].append(e)
-            elif kind == "B" and e.dst == stage and self.plan.grad_flows(e):
+            elif kind == "B" and e.dst == stage and self.layout.grad_flows(e):
                 out[e.src].append(e)
         deliveries = []
         for other, edges in sorted(out.items()):
             event, box = self.tickets[(kind, stage, other, mb)]
             self._wait(event)
             outputs = [e.output if kind == "F" else e.position for e in edges]
-            deliveries.append(Delivery(outputs, self.plan.urls[self.plan.placement[other]], box[0]))
+            deliveries.append(Delivery(outputs, self.layout.urls[self.layout.placement[other]], box[0]))
         return deliveries
 
     # -------------------------------------------------------------- actions
@@ -155,12 +155,12 @@ class StepRun:
             raise StepAborted()
 
     def _forward(self, stage: int, mb: int, ran: Callable[[float], None]) -> None:
-        plan = self.plan
-        runner = plan.runners[stage]
+        layout = self.layout
+        runner = layout.runners[stage]
         for src in sorted({s.stage for s in runner.graphs.inputs if s.kind == "stage"}):
             self._wait(self.done[("F", src, mb)])
         sends = self._deliveries("F", stage, mb)
-        local = [e for e in plan.edges if e.src == stage and not plan.remote(e)]
+        local = [e for e in layout.edges if e.src == stage and not layout.remote(e)]
         t0 = time.perf_counter()
         loss, kept = runner.forward(self.mbs[stage][mb], self.leaves[mb], self.targets[mb], sends,
                                     sorted({e.output for e in local}))
@@ -172,13 +172,13 @@ class StepRun:
         self.done[("F", stage, mb)].set()
 
     def _backward(self, stage: int, mb: int, ran: Callable[[float], None]) -> None:
-        plan = self.plan
-        runner = plan.runners[stage]
+        layout = self.layout
+        runner = layout.runners[stage]
         self._wait(self.done[("F", stage, mb)])
-        for dst in sorted({e.dst for e in plan.edges if e.src == stage and plan.grad_flows(e)}):
+        for dst in sorted({e.dst for e in layout.edges if e.src == stage and layout.grad_flows(e)}):
             self._wait(self.done[("B", dst, mb)])
         sends = self._deliveries("B", stage, mb)
-        local = [e for e in plan.edges if e.dst == stage and not plan.remote(e) and plan.grad_flows(e)]
+        local = [e for e in layout.edges if e.dst == stage and not layout.remote(e) and layout.grad_flows(e)]
         last = not runner.graphs.consumers
         t0 = time.perf_counter()
         kept = runner.backward(self.mbs[stage][mb], self.scale if last else None, sends,
@@ -198,7 +198,7 @@ class StepRun:
                 run(a.stage, a.microbatch, lambda t0, a=a: self.timeline.append(
                     (worker, a, t0, time.perf_counter())))
             for stage in {a.stage for a in actions}:
-                self.plan.runners[stage].conn.flush()  # released handles go now, not with next step
+                self.layout.runners[stage].conn.flush()  # released handles go now, not with next step
         except StepAborted:
             pass
         except BaseException as exc:
@@ -208,7 +208,7 @@ class StepRun:
 
     def run(self) -> torch.Tensor:
         """Run every worker's actions; the mean of the microbatches' losses."""
-        loss_meta = self.plan.runners[-1].graphs.output_meta[0]
+        loss_meta = self.layout.runners[-1].graphs.output_meta[0]
         self.scale = torch.tensor(1.0 / self.n, dtype=loss_meta[0])
         threads = []
         self.started = time.perf_counter()

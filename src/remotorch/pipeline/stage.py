@@ -1,7 +1,7 @@
 """One pipeline stage on its worker: its graphs uploaded once, and the requests of its forward and backward.
 
-A stage's forward (``RunResident``) takes its parameters as slots of the
-worker's training state, buffers by content id, the microbatch's leaves
+A stage's forward (a ``Run``, sent through ``Connection.run`` like every
+other) takes its parameters as slots of the worker's training client, buffers by content id, the microbatch's leaves
 inline and activations of earlier stages as handles already delivered to
 this worker; it keeps what backward needs as handles, and delivers each
 output to the stages that take it (``send``: worker to worker under their
@@ -21,15 +21,15 @@ import torch
 from .. import errors
 from ..capture.graph import output_devices
 from ..codec import messages as m
-from ..codec.frames import FrameReader, FrameWriter
+from ..codec.frames import FrameReader
 from ..codec.graph import GraphPayload, encode_graph
 from ..training.client import TrainingClient
 from .split import PipelineSplitError, StageGraphs
 
 
 @dataclass(eq=False)
-class _Graph:
-    """The little a connection needs of a graph to upload it (``Connection.ensure_graph``)."""
+class StageGraph:
+    """One graph of a stage (its forward or its backward) as a connection runs it: uploaded once."""
 
     payload: GraphPayload
     engine: str
@@ -58,7 +58,7 @@ class Delivery:
 
 
 @dataclass
-class Microbatch:
+class MicrobatchHandles:
     """Handles of one microbatch on one stage's worker (ids in that worker's session)."""
 
     inputs: dict[int, int] = field(default_factory=dict)  # stage input position -> handle id
@@ -73,8 +73,8 @@ class StageRunner:
         self.graphs = graphs
         self.client = client
         self.conn = client.connection
-        self.forward_graph = _Graph(_payload(graphs.forward, f"stage {graphs.index} forward"), engine)
-        self.backward_graph = _Graph(_payload(graphs.backward, f"stage {graphs.index} backward"), engine)
+        self.forward_graph = StageGraph(_payload(graphs.forward, f"stage {graphs.index} forward"), engine)
+        self.backward_graph = StageGraph(_payload(graphs.backward, f"stage {graphs.index} backward"), engine)
         self.grad_devices = output_devices(graphs.backward)
         if len(self.grad_devices) != len(graphs.inputs):
             raise PipelineSplitError(f"stage {graphs.index}: its backward does not give one gradient per input")
@@ -94,31 +94,33 @@ class StageRunner:
             self.client.bind_stale(self.params)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, mb: Microbatch, leaves: list, targets: list, sends: list[Delivery],
+    def forward(self, mb: MicrobatchHandles, leaves: list, targets: list, sends: list[Delivery],
                 keep: list[int]) -> tuple[torch.Tensor | None, dict[int, int]]:
         """Run the forward of one microbatch: (the loss on the last stage else None, output -> handle
         id of the outputs in ``keep``, kept on this worker for a stage here)."""
-        g, conn = self.graphs, self.conn
-        w, args = FrameWriter(), []
+        g = self.graphs
+        values, placed = [], []
         buffers = [t for s, t in zip(g.inputs, g.tensors) if s.kind == "buffer"]
-        with conn.lock:
-            refs = iter(conn.refs(buffers)) if buffers else iter(())
+        with self.conn.lock:
+            refs = iter(self.conn.refs(buffers)) if buffers else iter(())
             for pos, src in enumerate(g.inputs):
+                value, arg = None, None
                 if src.kind == "param":
-                    args.append(m.SlotArg(self.client.slots.lookup(g.tensors[pos]).sid))
+                    arg = m.SlotArg(self.client.slots.lookup(g.tensors[pos]).sid)
                 elif src.kind == "buffer":
-                    args.append(m.RefArg(next(refs)))
+                    arg = m.RefArg(next(refs))
                 elif src.kind == "input":
-                    args.append(w.value(leaves[src.index]))
+                    value = leaves[src.index]
                 elif src.kind == "target":
-                    args.append(w.value(targets[src.index]))
+                    value = targets[src.index]
                 else:
-                    args.append(m.HandleArg(mb.inputs[pos]))
+                    arg = m.HandleArg(mb.inputs[pos])
+                values.append(value)
+                placed.append(arg)
             base = self.client.handles.reserve(g.n_saved + len(keep))
-            req = m.RunResident(self.forward_graph.graph_id, self.forward_graph.engine, args,
-                                keep_from=g.n_outputs, handle_base=base, keep=keep, keep_min_bytes=0,
-                                send=[_send(d) for d in sends])
-        outs, frames, kept = self._run(self.forward_graph, req, w.frames, g.n_outputs + g.n_saved, sends)
+        fields = dict(saved_from=g.n_outputs, handle_base=base, keep=keep, send=[_send(d) for d in sends])
+        outs, frames = self._run(self.forward_graph, values, placed, fields, g.n_outputs + g.n_saved)
+        kept = self._kept(outs, keep)
         mb.saved = [base + i for i in range(g.n_saved)]
         for hid in mb.saved:
             self.client.handles.seen(hid)
@@ -130,52 +132,51 @@ class StageRunner:
         return loss, kept
 
     # ----------------------------------------------------------------- backward
-    def backward(self, mb: Microbatch, scale: torch.Tensor | None, sends: list[Delivery],
+    def backward(self, mb: MicrobatchHandles, scale: torch.Tensor | None, sends: list[Delivery],
                  keep: list[int]) -> dict[int, int]:
         """Run the backward of one microbatch; returns input position -> handle id of gradients kept here."""
-        g, conn = self.graphs, self.conn
-        w, args = FrameWriter(), [m.HandleArg(h) for h in mb.saved]
+        g = self.graphs
+        placed: list = [m.HandleArg(h) for h in mb.saved]
+        values: list = [None] * len(placed)
         for k in g.tangent_of:
             if k in mb.tangents:
-                args.append(m.HandleArg(mb.tangents[k]))
-            elif scale is not None:  # the loss: d(total)/d(loss of this microbatch)
-                args.append(w.value(scale))
-            else:  # taken only where no gradient flows
+                placed.append(m.HandleArg(mb.tangents[k]))
+                values.append(None)
+            else:  # the loss: d(total)/d(loss of this microbatch); or zeros, taken only where no gradient flows
                 dtype, shape, _ = g.output_meta[k]
-                args.append(w.value(torch.zeros(shape, dtype=dtype)))
-        with conn.lock:
+                placed.append(None)
+                values.append(scale if scale is not None else torch.zeros(shape, dtype=dtype))
+        with self.conn.lock:
             grads = [[pos, self.client.slots.lookup(g.tensors[pos]).sid] for pos in g.params
                      if self.has_grad(pos)]
             base = self.client.handles.reserve(len(keep)) if keep else 0
-            req = m.RunResident(self.backward_graph.graph_id, self.backward_graph.engine, args,
-                                handle_base=base, grads=grads, keep=keep, keep_min_bytes=0,
-                                send=[_send(d) for d in sends])
-        _, _, kept = self._run(self.backward_graph, req, w.frames, len(g.inputs), sends)
+        fields = dict(handle_base=base, grads=grads, keep=keep, send=[_send(d) for d in sends])
+        outs, _ = self._run(self.backward_graph, values, placed, fields, len(g.inputs))
+        kept = self._kept(outs, keep)
         for hid in (*mb.saved, *mb.tangents.values()):
             self.client.handles.release(hid)
         mb.saved, mb.tangents = [], {}
         return kept
 
-    def _run(self, graph: _Graph, req: m.RunResident, frames: list, n_outputs: int,
-             sends: list[Delivery]) -> tuple[list, list, dict[int, int]]:
-        """Send one stage request: (its outputs, their frames, output -> handle id of those it kept)."""
-        conn = self.conn
-        with conn.lock:
-            reply, out_frames = conn.call(lambda: (req, frames), graph)
-            conn.stats["remote_calls"] += 1
-            conn.stats["remote_ms"] += getattr(reply, "run_ms", 0.0)
-            conn.stats["values_moved"] += sum(len(d.outputs) for d in sends)
-        if not isinstance(reply, m.ResidentReply) or len(reply.outputs) != n_outputs:
-            raise errors.ProtocolError("worker answered a pipeline stage with the wrong reply")
+    def _run(self, graph: StageGraph, values: list, placed: list, fields: dict,
+             n_outputs: int) -> tuple[list, list]:
+        """One stage request through the connection's run path: (its outputs, their frames)."""
+        reply, frames = self.conn.run(graph, values, placed=lambda _g, _a: list(placed), fields=fields)
+        if len(reply.outputs) != n_outputs:
+            raise errors.ProtocolError("worker answered a pipeline stage with the wrong number of outputs")
+        return reply.outputs, frames
+
+    def _kept(self, outputs: list, keep: list[int]) -> dict[int, int]:
+        """Output index -> handle id of the outputs the worker kept for a stage on it."""
         kept = {}
-        for k in req.keep:
-            out = reply.outputs[k]
+        for k in keep:
+            out = outputs[k]
             if not isinstance(out, m.KeptArg):
                 raise errors.LimitExceededError("the worker could not keep a stage's activation or gradient "
                                                 "(over the session's memory quota)")
             self.client.handles.seen(out.id)
             kept[k] = out.id
-        return reply.outputs, out_frames, kept
+        return kept
 
 
 def _send(d: Delivery) -> m.SendOutputs:

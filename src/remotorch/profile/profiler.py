@@ -24,14 +24,14 @@ import torch
 
 from .. import errors
 from ..client import default_session
-from ..client.connection import unpack_outputs
+from ..client.values import unpack_outputs
 from ..client.progress import bar
 from ..codec import messages as m
 from ..codec.graph import decode_graph
 from ..codec.ops import namespace
 from ..codec.tensors import tensor_from_wire
 from .context import activate_profiler, deactivate_profiler
-from .records import BackendRun, CallRecord, GraphCall, ProfilePlan
+from .records import BackendRun, CallRecord, GraphCall, ProfileSettings
 from .report import Report, build_report
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class Profiler:
         self.output_backend = ""
         self.workers: dict[str, dict] = {}
         self.records: list[CallRecord] = []
-        self._plan: list[tuple[Connection, list[str]]] = []
+        self._engines_of: list[tuple[Connection, list[str]]] = []
         self._call: CallRecord | None = None
         self._refused: dict[tuple[str, str], str] = {}  # (graph, backend) -> compile failure
         self._references: dict[str, object] = {}
@@ -104,13 +104,13 @@ class Profiler:
         self.output_backend = self._wanted_output or self.backends[0]
         if self.output_backend not in self.backends:
             raise errors.UnknownBackendError(f"output backend {self.output_backend} is not profiled")
-        for link in session.connections():
-            engines = [b.split("/", 1)[1] for b in self.backends if b.split("/", 1)[0] == link.name]
+        for conn in session.connections():
+            engines = [b.split("/", 1)[1] for b in self.backends if b.split("/", 1)[0] == conn.name]
             if engines:
-                self._plan.append((link, engines))
-                self.workers[link.name] = dict(url=link.url, device=link.info()["device"],
-                                               price_per_hour=session.price_per_hour(link.name))
-        self._pool = ThreadPoolExecutor(max_workers=len(self._plan), thread_name_prefix="remotorch-profile")
+                self._engines_of.append((conn, engines))
+                self.workers[conn.name] = dict(url=conn.url, device=conn.info()["device"],
+                                               price_per_hour=session.price_per_hour(conn.name))
+        self._pool = ThreadPoolExecutor(max_workers=len(self._engines_of), thread_name_prefix="remotorch-profile")
         self._bar = bar(f"profiling on {len(self.backends)} backend(s): calls", None, unit="items")
         self._advance = self._bar.__enter__()
         self._token = activate_profiler(self)
@@ -127,7 +127,7 @@ class Profiler:
 
     def report(self) -> Report:
         """Statistics of everything recorded so far (see :class:`~remotorch.profile.report.Report`)."""
-        plan = ProfilePlan(list(self.backends), self.output_backend, self.num_repeats, self.num_warmups,
+        plan = ProfileSettings(list(self.backends), self.output_backend, self.num_repeats, self.num_warmups,
                            dict(self.workers))
         with self._lock:
             records = list(self.records)
@@ -165,8 +165,8 @@ class Profiler:
     def run_graph(self, graph: RemoteGraph, args: list) -> list:
         """Run one graph on every backend; return the output backend's outputs."""
         start = _now()
-        futures = [self._pool.submit(self._run_on_worker, link, engines, graph, args)
-                   for link, engines in self._plan]
+        futures = [self._pool.submit(self._run_on_worker, conn, engines, graph, args)
+                   for conn, engines in self._engines_of]
         results: dict[str, tuple[BackendRun, list | None, BaseException | None]] = {}
         for future in futures:
             results.update(future.result())
@@ -199,17 +199,17 @@ class Profiler:
             self._keep.append(accelerated)  # ids stay unique while the profiler lives
         return name
 
-    def _run_on_worker(self, link: Connection, engines: list[str], graph: RemoteGraph, args: list) -> dict:
+    def _run_on_worker(self, conn: Connection, engines: list[str], graph: RemoteGraph, args: list) -> dict:
         out = {}
         for engine in engines:  # one after another: engines of one worker never overlap
-            backend = f"{link.name}/{engine}"
+            backend = f"{conn.name}/{engine}"
             refused = self._refused.get((graph.graph_id, backend))
             if refused is not None:
                 out[backend] = (BackendRun(error=refused), None, errors.UnsupportedGraphError(refused))
                 continue
             started = time.perf_counter()
             try:
-                res = profile_graph(link, graph, args, engine, warmups=self.num_warmups,
+                res = profile_graph(conn, graph, args, engine, warmups=self.num_warmups,
                                     repeats=self.num_repeats)
             except errors.RemoteError as exc:
                 message = f"{type(exc).__name__}: {(exc.message or str(exc)).splitlines()[0][:300]}"
@@ -271,7 +271,8 @@ def profile_graph(conn: Connection, graph: RemoteGraph, args: list, engine: str,
                   repeats: int) -> ProfileResult:
     """Run a captured graph on one engine of a worker with timed repeats (one ``ProfileGraph``)."""
     start = time.perf_counter()
-    reply, frames = conn.run(graph, args, m.ProfileGraph, engine=engine, warmups=warmups, repeats=repeats)
+    reply, frames = conn.run(graph, args, request=m.ProfileGraph, expect=m.ProfileReply, engine=engine,
+                             fields=dict(warmups=warmups, repeats=repeats))
     round_trip = (time.perf_counter() - start) * 1e3
     return ProfileResult(unpack_outputs(graph, reply.outputs, frames), list(reply.times_ms), reply.clock,
                          reply.compiled, reply.compile_ms, reply.worker_ms, round_trip)

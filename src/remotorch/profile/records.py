@@ -68,7 +68,7 @@ class CallRecord:
 
 
 @dataclass(frozen=True)
-class ProfilePlan:
+class ProfileSettings:
     """What a profile was asked to do: which backends, which gave the outputs, how many runs."""
 
     backends: list[str]

@@ -21,7 +21,7 @@ from typing import IO
 import numpy as np
 
 from .files import save_report
-from .records import CallRecord, ProfilePlan
+from .records import CallRecord, ProfileSettings
 from .render import render
 from .tables import is_terminal, terminal_width
 from .stats import CLIENT, BackendSummary, ReportData, Segment, SequenceReport, Stats
@@ -51,7 +51,7 @@ class Report(ReportData):
 
 
 # ---------------------------------------------------------------------- building
-def build_report(records: list[CallRecord], plan: ProfilePlan) -> Report:
+def build_report(records: list[CallRecord], plan: ProfileSettings) -> Report:
     """Turn a profile's records, made under ``plan``, into a :class:`Report`."""
     records = list(records)
     groups: dict[tuple, list[CallRecord]] = {}

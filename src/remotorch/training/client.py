@@ -1,4 +1,4 @@
-"""Client side of training: graphs run with worker-resident activations, parameters and gradients.
+"""Client side of training: graphs run with activations, parameters and gradients kept on the worker.
 
 A :class:`TrainingClient` belongs to one :class:`~remotorch.client.connection.Connection`
 (one worker; a session makes one for its first worker on first need, a
@@ -12,9 +12,9 @@ pipeline one per stage worker) and adds to it:
 * :meth:`TrainingClient.pull`, which brings the worker's values back.
 
 Releases of freed handles and slots, and ``zero_grad()``, ride on the next
-training request (:class:`~remotorch.codec.messages.Pending`). Everything
-goes through the connection's public API (``call``, ``request``, ``refs``,
-``held``, ``lock``, ``stats``).
+training request (:class:`~remotorch.codec.messages.Pending`, on the
+envelope). Runs go through :meth:`Connection.run` like every other run,
+with this client's hook placing slots, activations and buffers.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 def training_client(session: Session) -> TrainingClient:
     """The training client of a session's first worker, created on first use."""
-    return session.stateful()
+    return session.trainer()
 
 
 class TrainingClient:
@@ -53,12 +53,11 @@ class TrainingClient:
         self._next_optim = 1
         self._dropped_optims: list[int] = []
         self._zero_grad: list[int] = []
-        self._superseded: list[str] = []
         self.keep_outputs = True  # a forward's outputs Python has not read stay on the worker
         self.keep_min_bytes = 1024
         self.optimizers: weakref.WeakSet = weakref.WeakSet()  # RemoteOptimizers bound here
         connection.pending_hooks.append(self._take_pending)
-        connection.before_close.append(self.keep_before_close)
+        connection.before_close.append(self.pull_before_close)
 
     @property
     def closed(self) -> bool:
@@ -92,14 +91,13 @@ class TrainingClient:
         slots = self.slots.take_dropped()
         optims, self._dropped_optims = self._dropped_optims, []
         zero, self._zero_grad = self._zero_grad, []
-        superseded, self._superseded = self._superseded, []
-        if not (slots or optims or zero or superseded):
+        if not (slots or optims or zero):
             return None
-        return dict(slots=slots, optims=optims, zero_grad=zero, tensors=superseded)
+        return dict(slots=slots, optims=optims, zero_grad=zero)
 
-    def request(self, body, frames: Sequence = ()):
+    def request(self, body, frames: Sequence = (), expect: type | None = None):
         """Send a training request (deferred housekeeping rides on it)."""
-        return self.connection.request(body, frames)
+        return self.connection.request(body, frames, expect=expect)
 
     def flush(self) -> None:
         """Send deferred housekeeping now (normally it waits for the next request)."""
@@ -130,12 +128,12 @@ class TrainingClient:
             tid = conn.held(t)
             values.append(m.RefArg(tid) if tid is not None else w.tensor(t))
         versions = [t._version for t, _ in todo]
-        self.request(m.BindSlots([slot.sid for _, slot in todo], values), w.frames)
+        self.request(m.BindSlots([slot.sid for _, slot in todo], values), w.frames, expect=m.Ok)
         for (_, slot), version in zip(todo, versions):
             slot.version = version
             slot.stepped = False
         self.slots.bound = True
-        conn.stats["tensors_uploaded"] += len(w.frames)
+        conn.stats.tensors_uploaded += len(w.frames)
         waiting = [o for t, _ in todo for o in waiting_optimizers(t)]
         for opt in dict.fromkeys(waiting):  # optimizers made before any session used these parameters
             opt.bind(self)
@@ -153,69 +151,65 @@ class TrainingClient:
         self.bind_stale(todo)
         w = FrameWriter()
         metas = [w.meta(p.grad) for p in todo]
-        self.request(m.AccumulateGrads([self.slots.lookup(p).sid for p in todo], metas), w.frames)
+        self.request(m.AccumulateGrads([self.slots.lookup(p).sid for p in todo], metas), w.frames, expect=m.Ok)
         for p in todo:
             p.grad = None
         return todo
 
     # ---------------------------------------------------------------------- run
     def run(self, graph: Graph, args: Sequence) -> list:
-        """Run a graph with resident state; saved outputs of a forward come back as placeholders."""
-        conn = self.connection
+        """Run a graph with state kept on the worker; saved outputs of a forward come back as placeholders."""
         calls: list[ForwardCall] = []
 
-        def build():
-            req, frames, call = self._pack(graph, args)
+        def placed(graph: Graph, args: Sequence) -> list:
+            call = ForwardCall(len(args))
             calls.append(call)
-            return req, frames
+            return self._place(graph, args, call)
 
-        conn.import_values(args)
-        with conn.lock:
-            reply, frames = conn.call(build, graph)
-            conn.stats["remote_calls"] += 1
-            conn.stats["remote_ms"] += reply.run_ms
-            return self._unpack(graph, reply, frames, calls[-1])
+        reply, frames = self.connection.run(graph, args, placed=placed, fields=lambda: self._fields(graph, calls[-1]))
+        return self._unpack(graph, reply, frames, calls[-1])
 
-    def _pack(self, graph: Graph, args: Sequence) -> tuple[m.RunResident, list, ForwardCall]:
-        call = ForwardCall(len(args))
+    def _place(self, graph: Graph, args: Sequence, call: ForwardCall) -> list:
+        """The arguments this client places: saved activations by handle, trainable parameters by
+        slot, other weights and buffers by content id (the rest go as the connection packs them)."""
         resident = graph.resident_set
         slotted = {i for i in graph.resident if self._wants_slot(graph, args[i])}
         self.bind_stale([args[i] for i in graph.resident if i in slotted])
         plain = [i for i in graph.resident if i not in slotted]
         refs = dict(zip(plain, self._content_ids([args[i] for i in plain])))
-        w, run_args = FrameWriter(), []
-        backward_of: ForwardCall | None = None
+        run_args: list = [None] * len(args)
         for i, a in enumerate(args):
             hid = handle_of(a)
             if hid is not None:
-                run_args.append(m.HandleArg(hid))
-                if backward_of is None:
-                    backward_of = call_of(a)
+                run_args[i] = m.HandleArg(hid)
+                if call.backward_of is None:
+                    call.backward_of = call_of(a)
             elif type(a) is RemoteTensor:
-                run_args.append(self.connection.value_arg(a, w))
+                continue
             elif i in refs:
-                run_args.append(m.RefArg(refs[i]))
+                run_args[i] = m.RefArg(refs[i])
             elif i in resident:
                 slot = self.slots.lookup(a)
                 if slot.optims:  # its optimizer is on the worker: so are its gradients
                     call.slots[i] = slot.sid
                     call.params[i] = a
-                run_args.append(m.SlotArg(slot.sid))
-            else:
-                run_args.append(w.value(a))
-        keep_from, n_saved = -1, 0
+                run_args[i] = m.SlotArg(slot.sid)
+        return run_args
+
+    def _fields(self, graph: Graph, call: ForwardCall) -> dict:
+        """What becomes of the outputs: saved for backward, kept until read, gradients into slots."""
+        saved_from, n_saved = -1, 0
         if graph.saved_from is not None:
-            keep_from = graph.saved_from
-            n_saved = sum(d is not None for d in graph.output_devices[keep_from:])
-        keep = graph.keep_candidates() if graph.kind == "forward" and self.keep_outputs else []
+            saved_from = graph.saved_from
+            n_saved = sum(d is not None for d in graph.output_devices[saved_from:])
+        keep = self.connection.policies.of(graph).keep(graph) if graph.kind == "forward" and self.keep_outputs else []
         base = self.handles.reserve(n_saved + len(keep)) if n_saved or keep else 0
-        grads = []
+        grads, backward_of = [], call.backward_of
         if backward_of is not None and backward_of.n_inputs == len(graph.output_devices):
             grads = [[i, sid] for i, sid in backward_of.slots.items()
                      if accumulated_by_this_backward(backward_of.params[i])]
-        req = m.RunResident(graph.graph_id, graph.engine, run_args, keep_from, base, grads, keep=keep,
-                            keep_min_bytes=self.keep_min_bytes)
-        return req, w.frames, call
+        return dict(saved_from=saved_from, handle_base=base, grads=grads, keep=keep,
+                    keep_min_bytes=self.keep_min_bytes)
 
     def _content_ids(self, tensors: list) -> list[str]:
         """Content ids for resident tensors that do not train (buffers, frozen weights).
@@ -229,9 +223,8 @@ class TrainingClient:
         ids = conn.refs(tensors)
         live = set(ids)
         for previous in replaced:
-            if previous is not None and previous not in live and previous in conn.tensors:
-                conn.tensors.discard(previous)
-                self._superseded.append(previous)
+            if previous is not None and previous not in live:
+                conn.uploads.release(previous)
         return ids
 
     def _wants_slot(self, graph: Graph, t) -> bool:
@@ -242,20 +235,20 @@ class TrainingClient:
         return self.slots.lookup(t) is not None
 
     def _unpack(self, graph: Graph, reply, frames: list, call: ForwardCall) -> list:
-        if not isinstance(reply, m.ResidentReply) or len(reply.outputs) != len(graph.output_devices):
-            raise errors.ProtocolError("worker answered a training run with the wrong reply")
+        if len(reply.outputs) != len(graph.output_devices):
+            raise errors.ProtocolError("worker answered a training run with the wrong number of outputs")
         reader, outs = FrameReader(frames), []
         for i, (arg, device) in enumerate(zip(reply.outputs, graph.output_devices)):
             if isinstance(arg, m.HandleArg):
                 outs.append(activation(self.handles, arg.id, call))
             elif isinstance(arg, m.KeptArg):  # a value that stays on the worker until read
                 self.handles.seen(arg.id)
-                outs.append(placeholder(self.connection, arg, device, graph, i))
+                outs.append(placeholder(self.connection, arg, device, self.connection.policies.of(graph), i))
             else:
                 outs.append(reader.value(arg, device))
         return outs
 
-    def keep_before_close(self) -> None:
+    def pull_before_close(self) -> None:
         """Before the session ends: the parameters an optimizer trained on the worker back into
         their local tensors, and each worker-side optimizer's state into the optimizer here.
 
@@ -267,7 +260,7 @@ class TrainingClient:
         if stepped:
             self.pull_tensors(stepped)
         for opt in list(self.optimizers):
-            opt.keep_state()
+            opt.take_state()
 
     # --------------------------------------------------------------------- pull
     def pull(self, module: torch.nn.Module, grads: bool = False) -> int:
@@ -297,9 +290,9 @@ class TrainingClient:
             if not pairs:
                 return 0
             self.bind_stale([t for t, _ in pairs])  # a local change made since wins, as on a call
-            reply, frames = self.request(m.PullSlots([slot.sid for _, slot in pairs], grads))
-            if not isinstance(reply, m.PullReply) or len(reply.values) != len(pairs):
-                raise errors.ProtocolError("worker answered a pull with the wrong reply")
+            reply, frames = self.request(m.PullSlots([slot.sid for _, slot in pairs], grads), expect=m.PullReply)
+            if len(reply.values) != len(pairs):
+                raise errors.ProtocolError("worker answered a pull with the wrong number of values")
             reader = FrameReader(frames)
             for (t, slot), meta in zip(pairs, reply.values):
                 with torch.no_grad():
@@ -329,5 +322,3 @@ def accumulated_by_this_backward(t: torch.Tensor) -> bool:
     except (AttributeError, IndexError):
         return True
 
-
-Session.training_factory = TrainingClient

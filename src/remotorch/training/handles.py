@@ -37,6 +37,7 @@ class ForwardCall:
     n_inputs: int
     slots: dict[int, int] = field(default_factory=dict)
     params: dict[int, torch.Tensor] = field(default_factory=dict)  # the local tensors of ``slots``
+    backward_of: ForwardCall | None = None  # when this run is a backward: the forward it differentiates
 
 
 def handle_of(t: object) -> int | None:

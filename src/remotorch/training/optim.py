@@ -67,7 +67,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._client: TrainingClient | None = None
         self._id: int | None = None
         self._sent = [self._hyper(g) for g in self.param_groups]
-        client = session.stateful() if session is not None else _holder(self._params())
+        client = session.trainer() if session is not None else _holder(self._params())
         if client is not None:
             self.bind(client)
         else:  # bound by the first session that puts one of these parameters in a slot
@@ -109,7 +109,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def _bound(self) -> TrainingClient:
         """The training client, binding to the parameters' session (or the default one) first if needed."""
         if self._client is None:
-            self.bind(_holder(self._params()) or default_session().stateful())
+            self.bind(_holder(self._params()) or default_session().trainer())
         return self._client
 
     @staticmethod
@@ -203,7 +203,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         sd["state"] = state
         return sd
 
-    def keep_state(self) -> None:
+    def take_state(self) -> None:
         """Bring the worker's state here and let go of the worker (its session is ending).
 
         ``state_dict()`` keeps answering from the local copy, and the next

@@ -21,8 +21,7 @@ import torch
 
 from ..codec import messages as m
 from ..codec.frames import SCALARS, FrameWriter
-from ..codec.tensors import dtype_name
-from ..errors import (InvalidRequestError, LimitExceededError, ProtocolError, RemoteError,
+from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsError, ProtocolError, RemoteError,
                       RemoteOutOfMemoryError, WorkerError)
 from .leases import SESSION_ID, LeaseTable
 from .peers import Tickets, send_to_peer
@@ -31,12 +30,15 @@ from .worker import Worker
 log = logging.getLogger(__name__)
 
 Reply = tuple[bytes, list]
+_WIRE = (m.HandleArg, m.KeptArg, m.ScalarArg)  # outputs the worker disposed of (the rest travel inline)
 
 
 def error_reply(exc: RemoteError) -> bytes:
     """A typed failure as the reply header (missing objects listed, for the client to re-upload)."""
-    return m.encode(m.ErrorReply(exc.kind, exc.message, exc.remote_traceback,
-                                 getattr(exc, "graphs", []), getattr(exc, "tensors", [])))
+    if isinstance(exc, MissingObjectsError):
+        return m.encode(m.ErrorReply(exc.kind, exc.message, exc.remote_traceback, exc.graphs, exc.tensors,
+                                     exc.handles, exc.slots, exc.optims))
+    return m.encode(m.ErrorReply(exc.kind, exc.message, exc.remote_traceback))
 
 
 def _ok() -> Reply:
@@ -89,14 +91,14 @@ class Service:
         self._connections.add(cid)
         try:
             try:
-                request = m.decode(header)
+                env = m.decode_envelope(header)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise ProtocolError(f"malformed request header: {exc}") from None
             self._check_size(header, frames)
             started = time.monotonic()
             self.leases.begin(cid)
             try:
-                return self._dispatch(cid, request, frames)
+                return self._dispatch(cid, env.body, env.pending, frames)
             finally:
                 self.leases.end(cid, started)
         except RemoteError as exc:
@@ -115,7 +117,7 @@ class Service:
                 raise LimitExceededError(f"message of {size} bytes is over the worker's limit of "
                                          f"{self.max_message_bytes}")
 
-    def _dispatch(self, cid: int, req, frames: list) -> Reply:
+    def _dispatch(self, cid: int, req, pending: m.Pending | None, frames: list) -> Reply:
         if isinstance(req, m.Attach):
             return self._attach(cid, req)
         if isinstance(req, m.Heartbeat):
@@ -126,9 +128,8 @@ class Service:
                 self.worker.close_session(lease)
             return _ok()
         session = self.leases.key(cid)
-        pending = getattr(req, "pending", None) if not isinstance(req, m.Pending) else req
         if pending is not None:
-            self._apply_pending(session, pending)
+            self.worker.apply_pending(session, pending)
         handler = _HANDLERS.get(type(req))
         if handler is None:
             raise ProtocolError(f"{type(req).__name__} is not a request")
@@ -144,10 +145,6 @@ class Service:
         for other in displaced:
             self.close_connection(other)
         return m.encode(m.AttachReply(resumed, self.leases.lease_s)), []
-
-    def _apply_pending(self, session: object, p: m.Pending) -> None:
-        self.worker.training.apply_pending(session, p.zero_grad, p.handles, p.slots, p.optims)
-        self.worker.release_tensors(session, p.tensors)
 
     # --------------------------------------------------------------- core messages
     def _health(self, session, req: m.Health, frames) -> Reply:
@@ -176,93 +173,21 @@ class Service:
                                        worker_ms)), w.frames
 
     # --------------------------------------------------------------------- runs
-    def _run(self, session, req: m.RunGraph | m.RunResident, frames) -> Reply:
-        """Run a graph: each output sent, kept as a handle, or (training) accumulated into a gradient.
+    def _run(self, session, req: m.Run, frames) -> Reply:
+        """Run a graph; the worker disposes of each output as the request's plan says."""
+        ran = self.worker.run(session, req, frames, self._send)
+        w = FrameWriter()
+        value = w.value
+        outputs = [o if isinstance(o, _WIRE) else value(o) for o in ran.outputs]
+        return m.encode(m.RunReply(outputs, ran.ms, ran.compiled)), w.frames
 
-        ``RunResident`` keeps the outputs from ``keep_from`` on (activations
-        saved for backward: handles ``handle_base``…) and accumulates
-        ``grads``; both messages keep the outputs listed in ``keep`` (values
-        that stay here: the next handle ids, in ``keep`` order), each sent
-        inline instead if keeping it would go over the session's quota.
-        """
-        state, worker = self.worker.training, self.worker
-        resident = isinstance(req, m.RunResident)
-        grads = self._grad_slots(session, req.grads) if resident else {}
-        ran = worker.run(session, req.graph_id, req.engine, req.args, frames, req.keep_inputs)
-        outs = ran.outputs
-        saved = [i for i, o in enumerate(outs)
-                 if resident and 0 <= req.keep_from <= i and isinstance(o, torch.Tensor)]
-        saved_ids = dict(zip(saved, state.keep(session, req.handle_base, [outs[i] for i in saved])))
-        kept = self._keep_values(session, req.keep, outs, req.handle_base + len(saved), set(saved),
-                                 req.keep_min_bytes)
-        sent = self._send_outputs(req.send, outs) if resident and req.send else set()
-        # a gradient may alias an argument or another output (e.g. the incoming
-        # gradient passed straight through): only a fresh tensor may become .grad
-        taken = {t.untyped_storage().data_ptr() for t in ran.inputs if isinstance(t, torch.Tensor)} if grads else set()
-        w, out_args = FrameWriter(), []
-        for i, o in enumerate(outs):
-            if i in saved_ids:
-                out_args.append(m.HandleArg(saved_ids[i]))
-            elif i in kept:
-                out_args.append(m.KeptArg(kept[i], dtype_name(o.dtype), list(o.shape), list(o.stride())))
-            elif i in sent:
-                out_args.append(m.ScalarArg(None))
-            elif i in grads and isinstance(o, torch.Tensor):
-                ptr = o.untyped_storage().data_ptr()
-                state.accumulate(session, grads[i], o, owned=ptr not in taken and not o._is_view())
-                taken.add(ptr)
-                out_args.append(m.ScalarArg(None))
-            else:
-                out_args.append(w.value(o))
-        reply = m.ResidentReply if resident else m.RunReply
-        return m.encode(reply(out_args, ran.ms, ran.compiled)), w.frames
-
-    def _send_outputs(self, sends: list, outs: list) -> set[int]:
-        """Deliver outputs to other workers under their tickets (a pipeline stage's activations
-        or gradients); returns the indices sent. Each is sent contiguous, as tickets expect."""
-        done: set[int] = set()
-        for s in sends:
-            if not s.outputs or any(type(i) is not int or not 0 <= i < len(outs) or i in done
-                                    or not isinstance(outs[i], torch.Tensor) for i in s.outputs):
-                raise InvalidRequestError("send must name distinct tensor outputs")
-            done.update(s.outputs)
-            send_to_peer(s.url, s.ticket_id, s.secret, [outs[i].contiguous() for i in s.outputs],
-                         timeout=self.peer_timeout_s, tls_ca=self.peer_tls_ca)
-        return done
-
-    def _grad_slots(self, session, pairs: list[list[int]]) -> dict[int, int]:
-        grads = {}
-        for pair in pairs:
-            if len(pair) != 2:
-                raise InvalidRequestError("grads must be [output index, slot id] pairs")
-            self.worker.training.slot(session, pair[1])  # missing slots fail before the graph runs
-            grads[pair[0]] = pair[1]
-        return grads
-
-    def _keep_values(self, session, keep: list[int], outs: list, base: int, saved: set,
-                     min_bytes: int = 0) -> dict[int, int]:
-        """Output index -> handle id of the outputs kept here (``keep`` order, ids from ``base``)."""
-        if len(set(keep)) != len(keep) or not all(type(i) is int and 0 <= i < len(outs) for i in keep):
-            raise InvalidRequestError("keep must list distinct output indices")
-        ids, tensors = [], []
-        room = 0
-        for j, i in enumerate(keep):
-            o = outs[i]
-            if i in saved or not isinstance(o, torch.Tensor):
-                continue
-            nbytes = o.numel() * o.element_size()
-            if nbytes < min_bytes or not self.worker.may_keep(session, room + nbytes):
-                continue  # over the quota: it travels back instead
-            room += nbytes
-            ids.append((i, base + j))
-            tensors.append(o)
-        self.worker.training.put_handles(session, [h for _, h in ids], tensors)
-        return dict(ids)
+    def _send(self, url: str, ticket_id: bytes, secret: bytes, tensors: list) -> None:
+        send_to_peer(url, ticket_id, secret, tensors, timeout=self.peer_timeout_s, tls_ca=self.peer_tls_ca)
 
     def _bind_slots(self, session, req: m.BindSlots, frames) -> Reply:
         if len(req.slots) != len(req.values):
             raise InvalidRequestError("slot ids and values disagree")
-        state, reader = self.worker.training, self.worker.reader(frames)
+        state, reader = self.worker.trainables, self.worker.reader(frames)
         for sid, value in zip(req.slots, req.values):
             if isinstance(value, m.RefArg):
                 state.bind(session, sid, self.worker.resident_tensor(session, value.id), private=False)
@@ -275,31 +200,31 @@ class Service:
             raise InvalidRequestError("slot ids and gradients disagree")
         reader = self.worker.reader(frames)
         for sid, meta in zip(req.slots, req.metas):
-            self.worker.training.accumulate(session, sid, reader.tensor(meta), owned=True)
+            self.worker.trainables.accumulate(session, sid, reader.tensor(meta), owned=True)
         return _ok()
 
     def _pull_slots(self, session, req: m.PullSlots, frames) -> Reply:
-        values, grads = self.worker.training.pull(session, req.slots, req.grads)
+        values, grads = self.worker.trainables.pull(session, req.slots, req.grads)
         w = FrameWriter()
         metas = [w.meta(v) for v in values]
         grad_metas = [None if g is None else w.meta(g) for g in grads] if req.grads else []
         return m.encode(m.PullReply(metas, grad_metas)), w.frames
 
     def _optim_create(self, session, req: m.OptimCreate, frames) -> Reply:
-        self.worker.training.optim_create(session, req.optim, req.name, req.groups, req.hyper)
+        self.worker.trainables.optim_create(session, req.optim, req.name, req.groups, req.hyper)
         return _ok()
 
     def _optim_step(self, session, req: m.OptimStep, frames) -> Reply:
-        self.worker.training.optim_step(session, req.optim, req.hyper)
+        self.worker.trainables.optim_step(session, req.optim, req.hyper)
         return _ok()
 
     def _optim_zero_grad(self, session, req: m.OptimZeroGrad, frames) -> Reply:
-        self.worker.training.optim_zero_grad(session, req.optim, req.set_to_none)
+        self.worker.trainables.optim_zero_grad(session, req.optim, req.set_to_none)
         return _ok()
 
     def _optim_get_state(self, session, req: m.OptimGetState, frames) -> Reply:
         w, entries = FrameWriter(), []
-        for idx, key, value in self.worker.training.optim_state(session, req.optim):
+        for idx, key, value in self.worker.trainables.optim_state(session, req.optim):
             if not isinstance(value, (torch.Tensor, *SCALARS)):
                 raise InvalidRequestError(f"optimizer state {key!r} is a {type(value).__name__}, which cannot travel")
             entries.append((idx, key, w.value(value)))
@@ -308,19 +233,19 @@ class Service:
     def _optim_set_state(self, session, req: m.OptimSetState, frames) -> Reply:
         reader = self.worker.reader(frames)
         entries = [(idx, key, reader.value(v)) for idx, key, v in req.entries]
-        self.worker.training.optim_set_state(session, req.optim, entries)
+        self.worker.trainables.optim_set_state(session, req.optim, entries)
         return _ok()
 
     def _clip_grad_norm(self, session, req: m.ClipGradNorm, frames) -> Reply:
-        norm = self.worker.training.clip_grad_norm(session, req.optim, req.max_norm, req.norm_type,
+        norm = self.worker.trainables.clip_grad_norm(session, req.optim, req.max_norm, req.norm_type,
                                                    req.error_if_nonfinite)
         return m.encode(m.NormReply(norm)), []
 
     # ------------------------------------------------ values that stay on the worker
     def _arg_tensor(self, session, a) -> torch.Tensor:
         if isinstance(a, m.ViewArg):
-            return self.worker.training.view(session, a.id, a.shape, a.strides, a.offset)
-        return self.worker.training.handle(session, a.id)
+            return self.worker.handles.view(session, a.id, a.shape, a.strides, a.offset)
+        return self.worker.handles.get(session, a.id)
 
     def _fetch(self, session, req: m.Fetch, frames) -> Reply:
         w = FrameWriter()
@@ -337,8 +262,7 @@ class Service:
     def _send_handles(self, session, req: m.SendHandles, frames) -> Reply:
         """Open a connection to the receiving worker with its ticket and deliver the tensors (this loop waits)."""
         tensors = [self._arg_tensor(session, a) for a in req.args]
-        send_to_peer(req.url, req.ticket_id, req.secret, tensors, timeout=self.peer_timeout_s,
-                     tls_ca=self.peer_tls_ca)
+        self._send(req.url, req.ticket_id, req.secret, tensors)
         return _ok()
 
     def deliver(self, ticket_id: bytes, header: bytes, frames: list) -> Reply:
@@ -361,23 +285,23 @@ class Service:
                 raise InvalidRequestError("delivered tensors do not match the ticket's layouts")
             reader = self.worker.reader(frames)
             tensors = [reader.tensor(meta).to(self.worker.device) for meta in req.metas]
-            self.worker.training.put_handles(ticket.session, ticket.handles, tensors)
+            self.worker.handles.put(ticket.session, ticket.handles, tensors)
             return _ok()
         except RemoteError as exc:
             return error_reply(exc), []
 
-    def _pending(self, session, req: m.Pending, frames) -> Reply:
-        return _ok()  # applied in _dispatch, as for every request that carries it
+    def _flush(self, session, req: m.Flush, frames) -> Reply:
+        return _ok()  # the envelope's housekeeping was applied in _dispatch
 
 
 _HANDLERS: dict[type, Callable[[Service, object, object, list], Reply]] = {
     m.Health: Service._health, m.Echo: Service._echo, m.PutGraph: Service._put_graph,
-    m.PutTensors: Service._put_tensors, m.RunGraph: Service._run, m.ProfileGraph: Service._profile,
-    m.RunResident: Service._run, m.BindSlots: Service._bind_slots,
+    m.PutTensors: Service._put_tensors, m.Run: Service._run, m.ProfileGraph: Service._profile,
+    m.BindSlots: Service._bind_slots,
     m.AccumulateGrads: Service._accumulate_grads, m.PullSlots: Service._pull_slots,
     m.OptimCreate: Service._optim_create, m.OptimStep: Service._optim_step,
     m.OptimZeroGrad: Service._optim_zero_grad, m.OptimGetState: Service._optim_get_state,
     m.OptimSetState: Service._optim_set_state, m.ClipGradNorm: Service._clip_grad_norm,
-    m.Pending: Service._pending, m.Fetch: Service._fetch, m.ExpectHandles: Service._expect_handles,
+    m.Flush: Service._flush, m.Fetch: Service._fetch, m.ExpectHandles: Service._expect_handles,
     m.SendHandles: Service._send_handles,
 }

@@ -1,10 +1,8 @@
-"""Training state a worker keeps per session: saved activations, parameters, optimizers.
+"""What a worker trains per session: parameter slots and optimizers.
 
-Three kinds of objects, each named by an integer the client chose:
+Two kinds of objects, each named by an integer the client chose (saved
+activations and every other kept value are handles: :mod:`remotorch.worker.handles`):
 
-* **handles**: tensors a forward graph saved for its backward. They stay here
-  and the backward names them; the client drops them when autograd frees its
-  local placeholders.
 * **slots**: trainable parameters (``torch.nn.Parameter``), with their
   gradient accumulated here with PyTorch's semantics (set when there is none,
   added in place otherwise). Slots are private to the session: a slot is a
@@ -12,7 +10,7 @@ Three kinds of objects, each named by an integer the client chose:
 * **optimizers**: instances of a class of ``torch.optim`` looked up by name
   (never code from the wire), over slots, with hyperparameters as plain values.
 
-Nothing here knows about sockets; :mod:`remotorch.train_server` decodes the
+Nothing here knows about sockets; :mod:`remotorch.worker.service` decodes the
 messages and calls these methods.
 """
 
@@ -27,18 +25,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidRequestError, MissingObjectsError, WorkerError
+from .handles import count_bytes
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
 _KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
 
 
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
 @dataclass
 class _SessionState:
-    handles: dict[int, torch.Tensor] = field(default_factory=dict)
     slots: dict[int, torch.nn.Parameter] = field(default_factory=dict)
     optims: dict[int, torch.optim.Optimizer] = field(default_factory=dict)
 
@@ -62,8 +56,8 @@ def plain_hyper(hyper: dict) -> dict:
     return out
 
 
-class TrainingState:
-    """Handles, parameter slots and optimizers of every session on one worker."""
+class Trainables:
+    """Parameter slots and optimizers of every session on one worker."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -82,95 +76,38 @@ class TrainingState:
         with self._lock:
             self._sessions.pop(session, None)
 
-    def total_bytes(self) -> int:
-        """Bytes held for all sessions: handles, parameters, gradients and optimizer state."""
+    def tensors(self, session: object | None = None):
+        """Parameters, their gradients and optimizer state of one session (None: of every session)."""
         with self._lock:
-            states = list(self._sessions.values())
-        return self._bytes(states)
-
-    def session_bytes(self, session: object) -> int:
-        """Bytes held for one session (what a per-session memory quota would count)."""
-        st = self._sessions.get(session)
-        return self._bytes([st]) if st is not None else 0
-
-    @staticmethod
-    def _bytes(states: list[_SessionState]) -> int:
-        seen: set[int] = set()
-        total = 0
-
-        def add(t) -> None:
-            nonlocal total
-            if isinstance(t, torch.Tensor) and id(t) not in seen:
-                seen.add(id(t))
-                total += _nbytes(t)
-
+            states = list(self._sessions.values()) if session is None else [self._sessions.get(session)]
         for st in states:
-            for t in list(st.handles.values()):
-                add(t)
+            if st is None:
+                continue
             for p in list(st.slots.values()):
-                add(p)
-                add(p.grad)
+                yield p
+                yield p.grad
             for opt in list(st.optims.values()):
                 for per_param in list(opt.state.values()):
-                    for v in per_param.values():
-                        add(v)
-        return total
+                    yield from per_param.values()
 
-    # ----------------------------------------------------------------- handles
-    def apply_pending(self, session: object, zero_grad=(), handles=(), slots=(), optims=()) -> None:
-        """Deferred housekeeping: clear optimizers' gradients (set to None), then forget handles,
-        slots and optimizers. Ids this session does not hold are ignored."""
-        st = self._state(session)
+    def bytes(self, session: object | None = None) -> int:
+        """Bytes held for one session (None: all): parameters, gradients, optimizer state."""
+        return count_bytes(self.tensors(session))
+
+    def apply_pending(self, session: object, zero_grad=(), slots=(), optims=()) -> None:
+        """Deferred housekeeping: clear optimizers' gradients (set to None), then forget slots
+        and optimizers. Ids this session does not hold are ignored."""
+        st = self._sessions.get(session)
+        if st is None:
+            return
         for o in zero_grad:
             opt = st.optims.get(o)
             if opt is not None:
                 opt.zero_grad(set_to_none=True)
-        for h in handles:
-            st.handles.pop(h, None)
-        for s in slots:
-            st.slots.pop(s, None)
+        for sid in slots:
+            st.slots.pop(sid, None)
         for o in optims:
             st.optims.pop(o, None)
-
-    def handle(self, session: object, hid: int) -> torch.Tensor:
-        try:
-            return self._state(session).handles[hid]
-        except KeyError:
-            raise MissingObjectsError(f"handle {hid} is not held by this session (released, or the "
-                                      "connection was lost)", tensors=[f"handle:{hid}"]) from None
-
-    def keep(self, session: object, base: int, tensors: list[torch.Tensor]) -> list[int]:
-        """Store tensors as handles ``base``, ``base + 1``, …; ids must be new to the session."""
-        ids = list(range(base, base + len(tensors)))
-        self.put_handles(session, ids, tensors)
-        return ids
-
-    def put_handles(self, session: object, ids: list[int], tensors: list[torch.Tensor]) -> None:
-        """Store tensors as these handles; every id must be new to the session."""
-        st = self._state(session)
-        if len(set(ids)) != len(ids) or any(h in st.handles for h in ids):
-            raise InvalidRequestError("handle ids are already in use")
-        for h, t in zip(ids, tensors):
-            st.handles[h] = t
-
-    def view(self, session: object, hid: int, shape: list[int], strides: list[int], offset: int) -> torch.Tensor:
-        """A view of a handle's tensor, ``offset`` elements from its origin; checked to stay in its storage."""
-        base = self.handle(session, hid)
-        if len(shape) != len(strides) or len(shape) > 64:
-            raise InvalidRequestError("view: shape and strides disagree")
-        if not all(type(v) is int and 0 <= v < 1 << 62 for v in (*shape, *strides, offset)):
-            raise InvalidRequestError("view: size, stride or offset out of range")
-        start = base.storage_offset() + offset
-        last = start + sum((n - 1) * st for n, st in zip(shape, strides))
-        room = base.untyped_storage().nbytes() // base.element_size()
-        if all(n > 0 for n in shape) and last >= room:
-            raise InvalidRequestError("view: reaches past the handle's storage")
-        return torch.as_strided(base, shape, strides, start)
-
-    def handle_bytes(self, session: object) -> int:
-        """Bytes of the handles a session holds (activations and values kept on the worker)."""
-        st = self._sessions.get(session)
-        return sum(_nbytes(t) for t in list(st.handles.values())) if st is not None else 0
 
     # ------------------------------------------------------------------- slots
     def slot(self, session: object, sid: int) -> torch.nn.Parameter:
@@ -179,7 +116,7 @@ class TrainingState:
         except KeyError:
             raise MissingObjectsError(f"parameter slot {sid} is not held by this session (the "
                                       "connection was lost, or it was never bound)",
-                                      tensors=[f"slot:{sid}"]) from None
+                                      slots=[sid]) from None
 
     def bind(self, session: object, sid: int, value: torch.Tensor, *, private: bool) -> None:
         """Set a slot's value; a new slot gets its own copy unless ``value`` is already private."""
@@ -241,7 +178,7 @@ class TrainingState:
             return self._state(session).optims[oid]
         except KeyError:
             raise MissingObjectsError(f"optimizer {oid} is not held by this session",
-                                      tensors=[f"optim:{oid}"]) from None
+                                      optims=[oid]) from None
 
     def optim_step(self, session: object, oid: int, hyper: list[dict]) -> None:
         """Apply changed hyperparameters (``hyper[i]`` to group i), then step."""

@@ -1,7 +1,11 @@
 """The worker proper: holds graphs and tensors for sessions and runs graphs on engines.
 
-It knows nothing of sockets: the server (``remotorch.server``) decodes
-messages and calls these methods; tests may call them in-process.
+It knows nothing of sockets: the service (:mod:`remotorch.worker.service`)
+decodes messages and calls these methods; tests may call them in-process.
+What a session keeps lives in three stores: uploads by content id
+(:mod:`remotorch.worker.store`), values by handle id
+(:mod:`remotorch.worker.handles`), and parameter slots and optimizers
+(:mod:`remotorch.worker.training`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import threading
 import time
 import traceback
 import weakref
+from itertools import chain
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -28,7 +33,9 @@ from . import engines, quota
 from .deadline import DeadlineExpired, deadline
 from .store import SharedStore
 from .timing import MAX_REPEATS, MAX_WARMUPS, TimedRuns, time_runs
-from .training import TrainingState
+from .handles import HandleStore, count_bytes
+from .outputs import OutputPlan, Send, dispose, grad_slots
+from .training import Trainables
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +93,7 @@ class _ArgCheck:
 
 
 @dataclass
-class _Graph:
+class _GraphEntry:
     decoded: DecodedGraph
     checks: list[_ArgCheck]  # one per argument
     compiled: dict  # engine name -> callable
@@ -97,14 +104,15 @@ class _Graph:
     passed: list
 
     @classmethod
-    def build(cls, decoded: DecodedGraph) -> _Graph:
+    def build(cls, decoded: DecodedGraph) -> _GraphEntry:
         checks = [_ArgCheck.of(meta) for meta in decoded.inputs]
         return cls(decoded, checks, {}, threading.Lock(), [None] * len(checks))
 
 
 @dataclass(frozen=True)
 class Ran:
-    """One graph run: its outputs, the worker's milliseconds, whether it compiled, the inputs it took."""
+    """One graph run: its outputs (after :func:`~remotorch.worker.outputs.dispose`: wire arguments
+    for those not sent inline), the worker's milliseconds, whether it compiled, the inputs it took."""
 
     outputs: list
     ms: float
@@ -151,7 +159,8 @@ class Worker:
             self.engines = list(engine_names)
         self._graphs = SharedStore(limits.cache_bytes)
         self._tensors = SharedStore(limits.cache_bytes)
-        self.training = TrainingState(self.device)
+        self.handles = HandleStore()  # every value kept for a session, by handle id
+        self.trainables = Trainables(self.device)  # parameter slots and optimizers
         # namespaces of custom operators graphs may call (registered here: see worker/custom_ops.py)
         self.allow_ops = frozenset(allow_ops)
 
@@ -160,25 +169,36 @@ class Worker:
         """Release everything a session held (objects no one else holds are freed)."""
         self._graphs.drop_session(session)
         self._tensors.drop_session(session)
-        self.training.drop_session(session)
+        self.handles.drop_session(session)
+        self.trainables.drop_session(session)
+
+    def apply_pending(self, session: object, p: m.Pending) -> None:
+        """The client's deferred housekeeping: zero_grad first, then drop what it no longer references."""
+        self.trainables.apply_pending(session, p.zero_grad, p.slots, p.optims)
+        self.handles.release(session, p.handles)
+        self._tensors.release(session, p.tensors)
+
+    def state_bytes(self, session: object | None = None) -> int:
+        """Bytes of kept values, parameters, gradients and optimizer state (one session, or all)."""
+        return count_bytes(chain(self.handles.tensors(session), self.trainables.tensors(session)))
 
     def info(self) -> dict:
         return {"name": self.name, "device": str(self.device), "torch_version": str(torch.__version__),
                 "engines": list(self.engines),
-                "resident_bytes": self._tensors.total_bytes + self.training.total_bytes(),
+                "resident_bytes": self._tensors.total_bytes + self.state_bytes(),
                 "cached_bytes": self._tensors.orphan_bytes + self._graphs.orphan_bytes,
                 "price_per_hour": self.price_per_hour, "allowed_ops": sorted(self.allow_ops)}
 
     def memory(self) -> dict:
         """Bytes held by sessions and cached for nobody, per store (graphs count documents and constants)."""
         return {"tensor_bytes": self._tensors.total_bytes, "graph_bytes": self._graphs.total_bytes,
-                "training_bytes": self.training.total_bytes(),
+                "state_bytes": self.state_bytes(),
                 "cached_bytes": self._tensors.orphan_bytes + self._graphs.orphan_bytes}
 
     def session_bytes(self, session: object) -> int:
-        """Bytes a session holds on this worker (what its memory quota counts), training state included."""
+        """Bytes a session holds on this worker (what its memory quota counts), kept values included."""
         return (self._tensors.session_bytes(session) + self._graphs.session_bytes(session)
-                + self.training.session_bytes(session))
+                + self.state_bytes(session))
 
     def may_keep(self, session: object, nbytes: int) -> bool:
         """Whether a session may keep ``nbytes`` more of outputs here (within its quota and the limit)."""
@@ -186,15 +206,14 @@ class Worker:
         if limits.memory_quota is not None and self.session_bytes(session) + nbytes > limits.memory_quota:
             return False
         if limits.memory_limit is not None:
-            live = self._tensors.total_bytes + self._graphs.total_bytes + self.training.total_bytes()
+            live = self._tensors.total_bytes + self._graphs.total_bytes + self.state_bytes()
             return live + nbytes <= limits.memory_limit
         return True
 
     def _reserve(self, session: object, nbytes: int) -> None:
         quota.reserve((self._tensors, self._graphs), session, nbytes,
                       quota=self.limits.memory_quota, limit=self.limits.memory_limit,
-                      other_held=self.training.session_bytes(session),
-                      other_live=self.training.total_bytes())
+                      other_held=self.state_bytes(session), other_live=self.state_bytes())
 
     # ------------------------------------------------------------------- uploads
     def put_graph(self, session: object, gid: str, doc: bytes, consts: list[TensorMeta], frames) -> None:
@@ -214,7 +233,7 @@ class Worker:
             reader = self.reader(frames)
             tensors = [reader.tensor(meta) for meta in consts]
             decoded = decode_graph(doc, tensors, self.device, self.allow_ops)
-            self._graphs.put(session, gid, _Graph.build(decoded), size)
+            self._graphs.put(session, gid, _GraphEntry.build(decoded), size)
 
     def put_tensors(self, session: object, ids: list[str], metas: list[TensorMeta], frames) -> None:
         """Store resident tensors under their content ids (verified, then moved to the device)."""
@@ -253,20 +272,27 @@ class Worker:
         return FrameReader(frames, error=InvalidRequestError, max_bytes=self.limits.max_tensor_bytes)
 
     # ----------------------------------------------------------------------- run
-    def run(self, session: object, gid: str, engine: str, args: list, frames,
-            keep_inputs: list[list[int]] = ()) -> Ran:
-        """Run a graph once on an engine: its outputs, milliseconds, whether this call compiled it.
+    def run(self, session: object, req: m.Run, frames, send: Send) -> Ran:
+        """Run a graph once on an engine, and dispose of its outputs as the request says.
 
-        ``args`` are wire arguments (``TensorArg`` in ``frames``, ``RefArg``,
-        ``ScalarArg``, ``HandleArg``/``ViewArg``/``SlotArg``). ``keep_inputs``
-        pairs ``[argument index, handle id]``: those inputs are kept as
-        handles (before the run, so they are there even if it fails).
+        ``req.args`` are wire arguments (``TensorArg`` in ``frames``,
+        ``RefArg``, ``ScalarArg``, ``HandleArg``/``ViewArg``/``SlotArg``).
+        ``req.keep_inputs`` pairs ``[argument index, handle id]``: those inputs
+        are kept as handles (before the run, so they are there even if it
+        fails). The outputs of the result follow :mod:`remotorch.worker.outputs`.
+        ``send`` delivers outputs to another worker.
         """
-        prep = self._prepare(session, gid, engine, args, frames)
-        if keep_inputs:
-            self._keep_inputs(session, keep_inputs, prep.values)
-        out, ms = self._guarded(engine, lambda: self._call(prep.fn, prep.values))
-        return Ran(_as_list(out), ms, prep.compiled, prep.values)
+        plan = OutputPlan.of(req)
+        grads = grad_slots(self, session, req.grads) if req.grads else {}
+        prep = self._prepare(session, req.graph_id, req.engine, req.args, frames)
+        if req.keep_inputs:
+            self._keep_inputs(session, req.keep_inputs, prep.values)
+        out, ms = self._guarded(req.engine, lambda: self._call(prep.fn, prep.values))
+        ran = Ran(_as_list(out), ms, prep.compiled, prep.values)
+        if plan.inline:
+            return ran
+        return Ran(dispose(self, session, plan, ran.outputs, prep.values, grads, send), ms, prep.compiled,
+                   prep.values)
 
     def profile(self, session: object, gid: str, engine: str, args: list, frames, *,
                 warmups: int, repeats: int) -> tuple[list, TimedRuns, bool, float]:
@@ -291,7 +317,7 @@ class Worker:
         if missing_t or missing_g:
             raise MissingObjectsError("worker does not hold these objects for this session",
                                       graphs=missing_g, tensors=missing_t)
-        graph: _Graph = self._graphs.get(session, gid)
+        graph: _GraphEntry = self._graphs.get(session, gid)
         self._check_args(graph, values)
         start = time.perf_counter()
         fn, compiled = self._compiled(graph, engine, values)
@@ -301,7 +327,7 @@ class Worker:
         if not all(len(p) == 2 and type(p[0]) is int and 0 <= p[0] < len(values)
                    and isinstance(values[p[0]], torch.Tensor) for p in pairs):
             raise InvalidRequestError("keep_inputs must be [tensor argument index, handle id] pairs")
-        self.training.put_handles(session, [p[1] for p in pairs], [values[p[0]] for p in pairs])
+        self.handles.put(session, [p[1] for p in pairs], [values[p[0]] for p in pairs])
 
     def values(self, session: object, args: list, frames) -> list:
         """Wire arguments as the values a graph takes, on this worker's device.
@@ -324,11 +350,11 @@ class Worker:
             elif kind is m.ScalarArg:
                 values.append(a.value)
             elif kind is m.HandleArg:
-                values.append(self.training.handle(session, a.id))
+                values.append(self.handles.get(session, a.id))
             elif kind is m.SlotArg:
-                values.append(self.training.slot(session, a.id).detach())
+                values.append(self.trainables.slot(session, a.id).detach())
             elif kind is m.ViewArg:
-                values.append(self.training.view(session, a.id, a.shape, a.strides, a.offset))
+                values.append(self.handles.view(session, a.id, a.shape, a.strides, a.offset))
             else:
                 raise InvalidRequestError(f"{type(a).__name__} is not a graph argument")
         return values
@@ -367,7 +393,7 @@ class Worker:
                                           remote_traceback=tb)
         return WorkerError(f"graph failed on {engine}: {type(exc).__name__}: {exc}", remote_traceback=tb)
 
-    def _compiled(self, graph: _Graph, engine: str, values: list):
+    def _compiled(self, graph: _GraphEntry, engine: str, values: list):
         fn = graph.compiled.get(engine)
         if fn is not None:
             return fn, False
@@ -388,7 +414,7 @@ class Worker:
             return fn, True
 
     @staticmethod
-    def _check_args(graph: _Graph, values: list) -> None:
+    def _check_args(graph: _GraphEntry, values: list) -> None:
         if len(values) != len(graph.checks):
             raise InvalidRequestError(f"graph takes {len(graph.checks)} arguments, got {len(values)}")
         passed = graph.passed

@@ -1,0 +1,23 @@
+"""What the client needs of a captured graph (:class:`remotorch.capture.graph.RemoteGraph` is one)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ..codec.graph import GraphPayload
+
+
+class Graph(Protocol):
+    """What the client needs of a captured graph (``remotorch.capture.graph.RemoteGraph`` is one)."""
+
+    graph_id: str
+    engine: str
+    payload: GraphPayload
+    resident: list[int]  # argument indices of weights and buffers: sent by content id
+    resident_set: frozenset[int]
+    output_devices: list  # the device of each output (None: not a tensor)
+    kind: str  # "inference", "forward" (of a training pair) or "backward"
+    saved_from: int | None  # forward: outputs from here on are saved for backward
+    worker: int | str | None  # which worker of the session runs it (None: the first)
+    must_real: frozenset[int]  # outputs aot_autograd's runtime reads here: always sent back

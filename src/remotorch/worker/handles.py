@@ -1,0 +1,107 @@
+"""Every value a worker keeps for a session by handle id, whatever made it.
+
+A handle is a small integer the client chose (never reused within a client
+session, so a stale id can never name a new value). The same store holds:
+
+* activations a training forward saved for its backward (``Run.saved_from``);
+* outputs kept on the worker until Python reads them (``Run.keep``);
+* large inputs kept for a later graph of the same call (``Run.keep_inputs``);
+* tensors another worker delivered under a ticket (``Deliver``).
+
+Graphs name them as ``HandleArg`` or ``ViewArg``; ``Fetch`` reads them; the
+client's deferred housekeeping (``Pending.handles``) drops them. Nothing here
+knows about messages or sockets.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from ..errors import InvalidRequestError, MissingObjectsError
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def count_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of these tensors, each object counted once."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += nbytes(t)
+    return total
+
+
+class HandleStore:
+    """Handle id -> tensor, per session."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[object, dict[int, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def _of(self, session: object) -> dict[int, torch.Tensor]:
+        held = self._sessions.get(session)
+        if held is None:
+            with self._lock:
+                held = self._sessions.setdefault(session, {})
+        return held
+
+    def drop_session(self, session: object) -> None:
+        with self._lock:
+            self._sessions.pop(session, None)
+
+    def get(self, session: object, hid: int) -> torch.Tensor:
+        try:
+            return self._of(session)[hid]
+        except KeyError:
+            raise MissingObjectsError(f"handle {hid} is not held by this session (released, or the "
+                                      "connection was lost)", handles=[hid]) from None
+
+    def put(self, session: object, ids: list[int], tensors: list[torch.Tensor]) -> None:
+        """Store tensors as these handles; every id must be new to the session."""
+        held = self._of(session)
+        if len(set(ids)) != len(ids) or any(h in held for h in ids):
+            raise InvalidRequestError("handle ids are already in use")
+        for h, t in zip(ids, tensors):
+            held[h] = t
+
+    def view(self, session: object, hid: int, shape: list[int], strides: list[int], offset: int) -> torch.Tensor:
+        """A view of a handle's tensor, ``offset`` elements from its origin; checked to stay in its storage."""
+        base = self.get(session, hid)
+        if len(shape) != len(strides) or len(shape) > 64:
+            raise InvalidRequestError("view: shape and strides disagree")
+        if not all(type(v) is int and 0 <= v < 1 << 62 for v in (*shape, *strides, offset)):
+            raise InvalidRequestError("view: size, stride or offset out of range")
+        start = base.storage_offset() + offset
+        last = start + sum((n - 1) * st for n, st in zip(shape, strides))
+        room = base.untyped_storage().nbytes() // base.element_size()
+        if all(n > 0 for n in shape) and last >= room:
+            raise InvalidRequestError("view: reaches past the handle's storage")
+        return torch.as_strided(base, shape, strides, start)
+
+    def release(self, session: object, ids: Iterable[int]) -> None:
+        """Forget handles; ids the session does not hold are ignored."""
+        held = self._sessions.get(session)
+        if held is not None:
+            for h in ids:
+                held.pop(h, None)
+
+    def tensors(self, session: object | None = None) -> Iterator[torch.Tensor]:
+        """The tensors of one session (None: of every session)."""
+        if session is not None:
+            yield from list(self._sessions.get(session, {}).values())
+            return
+        with self._lock:
+            stores = list(self._sessions.values())
+        for held in stores:
+            yield from list(held.values())
+
+    def bytes(self, session: object) -> int:
+        """Bytes of the handles a session holds."""
+        return sum(nbytes(t) for t in self.tensors(session))

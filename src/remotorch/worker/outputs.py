@@ -1,0 +1,137 @@
+"""What becomes of each output of a run: the plan a ``Run`` message carries, applied in one place.
+
+An output is, in this order of precedence:
+
+* **saved** for a backward (index >= ``saved_from``): a handle, answered ``HandleArg``;
+* **kept** until Python reads it (in ``keep``, within the session's quota and
+  ``keep_min_bytes``): a handle, answered ``KeptArg`` with its layout;
+* **sent** to another worker under a ticket: answered as a nil scalar;
+* **accumulated** into a parameter slot's gradient (``grads``): answered as a nil scalar;
+* else sent back inline (the caller encodes it).
+
+:func:`dispose` returns one entry per output: a wire argument for the first
+four, the value itself for the last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..codec import messages as m
+from ..codec.tensors import dtype_name
+from ..errors import InvalidRequestError
+from .handles import HandleStore
+from .training import Trainables
+
+# send(url, ticket_id, secret, tensors): deliver tensors to another worker
+Send = Callable[[str, bytes, bytes, list], None]
+_NIL = m.ScalarArg(None)
+
+
+class Stores(Protocol):
+    """Where outputs go (a :class:`remotorch.worker.worker.Worker` is one)."""
+
+    handles: HandleStore
+    trainables: Trainables
+
+    def may_keep(self, session: object, nbytes: int) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class OutputPlan:
+    saved_from: int = -1
+    handle_base: int = 0
+    keep: tuple = ()
+    keep_min_bytes: int = 0
+    grads: tuple = ()  # ([output index, slot id], ...)
+    send: tuple = ()  # (m.SendOutputs, ...)
+
+    @classmethod
+    def of(cls, req: m.Run) -> OutputPlan:
+        return cls(req.saved_from, req.handle_base, tuple(req.keep), req.keep_min_bytes,
+                   tuple(req.grads), tuple(req.send))
+
+    @property
+    def inline(self) -> bool:
+        """Every output goes back inline (the common inference call, with nothing kept)."""
+        return self.saved_from < 0 and not (self.keep or self.grads or self.send)
+
+
+def grad_slots(worker: Stores, session: object, pairs) -> dict[int, int]:
+    """Output index -> slot id, checked before the graph runs (a missing slot fails first)."""
+    grads = {}
+    for pair in pairs:
+        if len(pair) != 2:
+            raise InvalidRequestError("grads must be [output index, slot id] pairs")
+        worker.trainables.slot(session, pair[1])
+        grads[pair[0]] = pair[1]
+    return grads
+
+
+def dispose(worker: Stores, session: object, plan: OutputPlan, outs: list, inputs: list,
+            grads: dict[int, int], send: Send) -> list:
+    """Apply the plan to a run's outputs (``inputs``: the values the graph took); one wire argument
+    (or the value, to send inline) per output."""
+    saved = [i for i, o in enumerate(outs) if 0 <= plan.saved_from <= i and isinstance(o, torch.Tensor)]
+    saved_ids = dict(zip(saved, range(plan.handle_base, plan.handle_base + len(saved))))
+    worker.handles.put(session, list(saved_ids.values()), [outs[i] for i in saved])
+    kept = _keep(worker, session, plan, outs, plan.handle_base + len(saved), saved_ids)
+    sent = _send(plan.send, outs, send) if plan.send else set()
+    # a gradient may alias an argument or another output (e.g. the incoming
+    # gradient passed straight through): only a fresh tensor may become .grad
+    taken = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)} if grads else set()
+    result = []
+    for i, o in enumerate(outs):
+        if i in saved_ids:
+            result.append(m.HandleArg(saved_ids[i]))
+        elif i in kept:
+            result.append(m.KeptArg(kept[i], dtype_name(o.dtype), list(o.shape), list(o.stride())))
+        elif i in sent:
+            result.append(_NIL)
+        elif i in grads and isinstance(o, torch.Tensor):
+            ptr = o.untyped_storage().data_ptr()
+            worker.trainables.accumulate(session, grads[i], o, owned=ptr not in taken and not o._is_view())
+            taken.add(ptr)
+            result.append(_NIL)
+        else:
+            result.append(o)
+    return result
+
+
+def _keep(worker: Stores, session: object, plan: OutputPlan, outs: list, base: int,
+          saved: dict) -> dict[int, int]:
+    """Output index -> handle id of the outputs kept here (``keep`` order, ids from ``base``)."""
+    keep = plan.keep
+    if len(set(keep)) != len(keep) or not all(type(i) is int and 0 <= i < len(outs) for i in keep):
+        raise InvalidRequestError("keep must list distinct output indices")
+    ids, tensors = [], []
+    room = 0
+    for j, i in enumerate(keep):
+        o = outs[i]
+        if i in saved or not isinstance(o, torch.Tensor):
+            continue
+        size = o.numel() * o.element_size()
+        if size < plan.keep_min_bytes or not worker.may_keep(session, room + size):
+            continue  # over the quota: it travels back instead
+        room += size
+        ids.append((i, base + j))
+        tensors.append(o)
+    worker.handles.put(session, [h for _, h in ids], tensors)
+    return dict(ids)
+
+
+def _send(sends, outs: list, send: Send) -> set[int]:
+    """Deliver outputs to other workers under their tickets (a pipeline stage's activations or
+    gradients); returns the indices sent. Each is sent contiguous, as tickets expect."""
+    done: set[int] = set()
+    for s in sends:
+        if not s.outputs or any(type(i) is not int or not 0 <= i < len(outs) or i in done
+                                or not isinstance(outs[i], torch.Tensor) for i in s.outputs):
+            raise InvalidRequestError("send must name distinct tensor outputs")
+        done.update(s.outputs)
+        send(s.url, s.ticket_id, s.secret, [outs[i].contiguous() for i in s.outputs])
+    return done
