@@ -274,7 +274,6 @@ class Session:
         """One connection per worker, named after the workers (every worker must answer)."""
         return self.pool.all()
 
-
     def workers(self) -> list[dict]:
         """Each worker's health reply (asked now) plus ``url`` and ``price_per_hour`` after overrides."""
         return [dict(c.info(refresh=True), name=c.name, url=c.url, price_per_hour=self.price_per_hour(c.name))

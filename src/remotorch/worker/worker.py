@@ -15,6 +15,7 @@ import threading
 import time
 import traceback
 import weakref
+from contextlib import nullcontext
 from itertools import chain
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -174,9 +175,12 @@ class Worker:
 
     def apply_pending(self, session: object, p: m.Pending) -> None:
         """The client's deferred housekeeping: zero_grad first, then drop what it no longer references."""
-        self.trainables.apply_pending(session, p.zero_grad, p.slots, p.optims)
-        self.handles.release(session, p.handles)
-        self._tensors.release(session, p.tensors)
+        if p.zero_grad or p.slots or p.optims:
+            self.trainables.apply_pending(session, p.zero_grad, p.slots, p.optims)
+        if p.handles:
+            self.handles.release(session, p.handles)
+        if p.tensors:
+            self._tensors.release(session, p.tensors)
 
     def state_bytes(self, session: object | None = None) -> int:
         """Bytes of kept values, parameters, gradients and optimizer state (one session, or all)."""
@@ -364,7 +368,8 @@ class Worker:
         session holds and runs it once more; any failure becomes a typed error."""
         for attempt in range(2):
             try:
-                with torch.no_grad(), deadline(self.limits.request_timeout):
+                timeout = self.limits.request_timeout
+                with torch.no_grad(), deadline(timeout) if timeout else nullcontext():
                     return body()
             except DeadlineExpired:
                 raise RequestTimeoutError(f"graph ran longer than the worker's request timeout of "
