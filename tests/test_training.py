@@ -49,6 +49,19 @@ def mlp_batch(n=32):
     return torch.randn(n, 784), torch.randint(0, 10, (n,))
 
 
+def train_side_by_side(step, reference_loss, optimizers, batches, after_each=None) -> None:
+    """For each batch: the remote step and the local reference, backward both; then every
+    optimizer steps and zeroes its gradients (then ``after_each()``: e.g. lr schedulers)."""
+    for x, y in batches:
+        step(x, y).backward()
+        reference_loss(x, y).backward()
+        for o in optimizers:
+            o.step()
+            o.zero_grad()
+        if after_each is not None:
+            after_each()
+
+
 def block_batch(n=4):
     return torch.randn(n, 16, 64), torch.randn(n, 16, 64)
 
@@ -138,13 +151,7 @@ def test_parameter_groups_with_their_own_hyperparameters(session):
                                           momentum=0.5)
     ref_opt = torch.optim.SGD(groups(reference), lr=0.2, momentum=0.5)
     assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups] == [0.05, 0.2]
-    for _ in range(3):
-        x, y = mlp_batch(8)
-        step(x, y).backward()
-        classifier_loss(reference)(x, y).backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+    train_side_by_side(step, classifier_loss(reference), (opt, ref_opt), (mlp_batch(8) for _ in range(3)))
     session.pull(model)
     assert_same_parameters(model, reference)
 
@@ -156,13 +163,8 @@ def test_dynamic_shapes_training_saves_sizes_and_tensors(session):
     step = compile_remote(regression_loss(model), session, dynamic=True)
     opt = RemoteOptimizer(torch.optim.AdamW, model.parameters(), session=session, lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    for n in (2, 3, 5):  # one forward/backward pair serves every batch size
-        x, y = block_batch(n)
-        step(x, y).backward()
-        regression_loss(reference)(x, y).backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+    # one forward/backward pair serves every batch size
+    train_side_by_side(step, regression_loss(reference), (opt, ref_opt), (block_batch(n) for n in (2, 3, 5)))
     assert session.stats()["graphs_uploaded"] == 2
     session.pull(model)
     assert_same_parameters(model, reference, atol=1e-5, rtol=1e-4)
@@ -246,15 +248,8 @@ def test_lr_schedulers_drive_the_worker_optimizer(session):
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (opt, ref_opt)]
     warm = [torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + e)) for o in (opt, ref_opt)]
-    for _ in range(6):
-        x, y = mlp_batch(8)
-        step(x, y).backward()
-        classifier_loss(reference)(x, y).backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-        for s in scheds + warm:
-            s.step()
+    train_side_by_side(step, classifier_loss(reference), (opt, ref_opt), (mlp_batch(8) for _ in range(6)),
+                       after_each=lambda: [s.step() for s in scheds + warm])
     assert opt.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
     assert opt.param_groups[0]["lr"] < 0.1 / 4
     session.pull(model)
@@ -508,13 +503,7 @@ def test_optimizer_state_dict_round_trips_through_a_checkpoint(make_session):
     opt2.load_state_dict(checkpoint["opt"])
     assert opt2.param_groups[0]["lr"] == 1e-2
     ref_opt.load_state_dict(checkpoint["opt"])
-    for _ in range(2):
-        x, y = mlp_batch(8)
-        step(x, y).backward()
-        classifier_loss(reference)(x, y).backward()
-        for o in (opt2, ref_opt):
-            o.step()
-            o.zero_grad()
+    train_side_by_side(step, classifier_loss(reference), (opt2, ref_opt), (mlp_batch(8) for _ in range(2)))
     second.pull(resumed)
     assert_same_parameters(resumed, reference)
     torch.testing.assert_close(opt2.state_dict()["state"][0]["exp_avg"], ref_opt.state_dict()["state"][0]["exp_avg"])
