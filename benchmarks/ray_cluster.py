@@ -1,14 +1,14 @@
 """What running remotorch workers inside Ray actors costs: start time and per-call overhead, in one run.
 
 Measured against plain ``remotorch serve`` processes started on this machine
-in the same run (the same command line the actors run):
+in the same run (configured from the same ``remotorch serve`` arguments the actors use):
 
 1. Start: two plain workers started at once (until both print their ready
    line) vs ``RayCluster(2)`` entered with no Ray running ("cold": it starts
    a local Ray, then the actors and their workers) and with Ray running
    ("warm": actors and workers only); and ``cluster.restart(i)``, one
-   worker's actor killed and a fresh one serving. The actors' own memory
-   (RSS) is printed beside the workers': an actor never imports torch.
+   worker's actor killed and a fresh one serving. An actor's memory (RSS;
+   the actor process is the worker) is printed beside a plain worker's.
 2. Per call: a 64-byte echo and a warm call of a compiled 256x256 linear
    layer, through ``cluster.session`` and through a session to a plain
    worker, measured in alternating blocks so that both see the same load.
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         cluster.restart(1)
         restart_s = time.perf_counter() - t0
         info = cluster.workers[0]
-        actor_mb, worker_mb, plain_mb = rss_mb(info["actor_pid"]), rss_mb(info["pid"]), rss_mb(plain[0].pid)
+        actor_mb, plain_mb = rss_mb(info["pid"]), rss_mb(plain[0].pid)
         with remotorch.Session(plain[0].url, token=token) as plain_session:
             med = per_call(cluster.session, plain_session, args.calls)
     finally:
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     print(f"  start, 2 workers: plain {plain_s:6.2f} s | cluster, Ray running {warm_s:6.2f} s "
           f"({warm_s / plain_s:.2f}x) | cluster, starting Ray too {cold_s:6.2f} s ({cold_s / plain_s:.2f}x)")
     print(f"  restart(i), one worker replaced: {restart_s:.2f} s;  close (workers, actors, Ray): {close_s:.2f} s")
-    print(f"  memory (RSS): actor {actor_mb:.0f} MB + its worker {worker_mb:.0f} MB; plain worker {plain_mb:.0f} MB")
+    print(f"  memory (RSS): actor serving a worker {actor_mb:.0f} MB; plain worker {plain_mb:.0f} MB")
     ratios = {}
     for k, label in (("echo", "64 B echo"), ("call", "linear 256x256, batch 8")):
         ratios[k] = med["cluster"][k] / med["plain"][k]
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(plain_start_s=plain_s, warm_start_s=warm_s, cold_start_s=cold_s, restart_s=restart_s,
-                           close_s=close_s, actor_rss_mb=actor_mb, worker_rss_mb=worker_mb, per_call_us=med,
+                           close_s=close_s, actor_rss_mb=actor_mb, plain_rss_mb=plain_mb, per_call_us=med,
                            ratios=ratios, missed=missed), f, indent=2)
     return 1 if missed else 0
 

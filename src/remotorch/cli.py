@@ -53,31 +53,36 @@ def _tls(args: argparse.Namespace):
     return server_context(args.tls_cert, args.tls_key)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+class ServeError(ValueError):
+    """``remotorch serve`` cannot start as configured (the message says why)."""
+
+
+def make_server(args: argparse.Namespace, token: str | None = None):
+    """The worker and its server that ``remotorch serve ARGS`` runs, listening but not yet serving.
+
+    ``token`` overrides ``--token``/``REMOTORCH_TOKEN`` (a Ray actor passes
+    its cluster's). ``ServeError`` when the configuration cannot serve: the
+    rules ``remotorch serve`` enforces (no public bind without a token, TLS
+    only over TCP…), a bad engine or device, a port that cannot be bound.
+    Used by :func:`cmd_serve` and by :mod:`remotorch.cluster.actor`, so a
+    worker in a Ray actor is configured exactly as one on the command line.
+    """
     from .worker.server import WorkerServer
     from .worker import Worker
-    from .client.embedded import READY_PREFIX
-    from .config import from_env
+    from .config import from_env, parse_spin_us
 
-    token = args.token or from_env().token
+    token = token or args.token or from_env().token
     if args.unix and args.tls_cert:
-        print("remotorch serve: --tls-cert is for TCP; a --unix socket is reachable only on this host",
-              file=sys.stderr)
-        return 2
-    from .config import parse_spin_us
+        raise ServeError("--tls-cert is for TCP; a --unix socket is reachable only on this host")
     try:
         spin_us = parse_spin_us(args.spin_us, "--spin-us")
     except ValueError as exc:
-        print(f"remotorch serve: {exc}", file=sys.stderr)
-        return 2
+        raise ServeError(str(exc)) from None
     if args.unix and not os.path.isabs(args.unix):
-        print(f"remotorch serve: --unix needs an absolute path, got {args.unix!r}", file=sys.stderr)
-        return 2
+        raise ServeError(f"--unix needs an absolute path, got {args.unix!r}")
     if not args.unix and not _is_loopback(args.host) and not token and not args.insecure:
-        print(f"remotorch serve: refusing to listen on {args.host} without a token "
-              "(give --token or REMOTORCH_TOKEN, or --insecure to accept anyone who can reach the port)",
-              file=sys.stderr)
-        return 2
+        raise ServeError(f"refusing to listen on {args.host} without a token "
+                         "(give --token or REMOTORCH_TOKEN, or --insecure to accept anyone who can reach the port)")
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
@@ -90,15 +95,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         engine_names=engine_names, limits=_limits(args), allow_ops=allow_ops)
         tls = _tls(args)
     except (ValueError, OSError) as exc:
+        raise ServeError(str(exc)) from None
+    try:
+        return WorkerServer(worker, args.host, args.port, token, max_message_bytes=args.max_message_bytes,
+                            lease_s=args.lease, tls=tls, message_timeout=args.message_timeout,
+                            unix_path=args.unix, spin_s=None if spin_us is None else spin_us / 1e6,
+                            peer_tls_ca=args.peer_tls_ca)
+    except OSError as exc:
+        raise ServeError(f"cannot listen: {exc}") from None
+
+
+def serve_args(argv: list[str]) -> argparse.Namespace:
+    """``remotorch serve ARGV`` parsed as the command line parses it (``ServeError`` with argparse's words)."""
+    import contextlib
+    import io
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            return build_parser().parse_args(["serve", *argv])
+    except SystemExit:
+        raise ServeError(said.getvalue().strip().splitlines()[-1] if said.getvalue().strip()
+                         else f"cannot parse remotorch serve {' '.join(argv)}") from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .client.embedded import READY_PREFIX
+
+    try:
+        server = make_server(args)
+    except ServeError as exc:
         print(f"remotorch serve: {exc}", file=sys.stderr)
         return 2
-    try:
-        server = WorkerServer(worker, args.host, args.port, token, max_message_bytes=args.max_message_bytes,
-                              lease_s=args.lease, tls=tls, message_timeout=args.message_timeout,
-                              unix_path=args.unix, spin_s=None if spin_us is None else spin_us / 1e6, peer_tls_ca=args.peer_tls_ca)
-    except OSError as exc:
-        print(f"remotorch serve: cannot listen: {exc}", file=sys.stderr)
-        return 2
+    worker = server.worker
     signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
     if args.exit_on_stdin_close:
         def watch() -> None:

@@ -6,6 +6,7 @@ Every failure that involves the worker surfaces as a subclass of
     RemoteError
     ├── TransportError                 the bytes did not make it (socket, framing)
     │   ├── WorkerUnavailableError     no worker answers at the address (down, refused, timed out)
+    │   │   └── PlacementError         a RayCluster's workers do not fit the Ray cluster's resources
     │   └── ProtocolError              a peer sent something that is not valid remotorch protocol
     ├── AuthenticationError            the token was wrong or missing
     ├── WorkerError                    the worker ran the request and it failed (carries its traceback)
@@ -57,6 +58,16 @@ class WorkerUnavailableError(TransportError):
     """No worker answered at the address: refused, down, or timed out."""
 
     kind = "unavailable"
+
+
+class PlacementError(WorkerUnavailableError):
+    """A ``RayCluster``'s workers do not fit: more than the Ray cluster has, or not placed in time.
+
+    Raised on the client before any worker starts; the message names the
+    resources asked for and what the cluster has.
+    """
+
+    kind = "placement"
 
 
 class ProtocolError(TransportError):

@@ -1,21 +1,24 @@
 """remotorch workers inside Ray actors: Ray places them, gives them GPUs and restarts them.
 
-:class:`RayCluster` starts N Ray actors (:class:`~remotorch.cluster.actor.WorkerActor`),
-each holding one real ``remotorch serve`` process bound to its node's
-address with a token shared by the cluster, and offers a
-:class:`remotorch.Session` over all of them. Ray is used for placement and
-lifecycle only: tensors never go through Ray's object store or its direct
-transport; clients and workers talk remotorch's own authenticated protocol,
-worker to worker included (a worker reaches a peer at the URL the session
-knows it by, which is the peer's node address).
+:class:`RayCluster` reserves one placement group for the whole cluster (one
+bundle per worker, all or nothing), starts N Ray actors
+(:class:`~remotorch.cluster.actor.WorkerActor`) on its bundles, each of which
+*is* a remotorch worker bound to its node's address with a token shared by
+the cluster, and offers a :class:`remotorch.Session` over all of them. Ray is
+used for placement and lifecycle only: tensors never go through Ray's object
+store or its direct transport; clients and workers talk remotorch's own
+authenticated protocol, worker to worker included (a worker reaches a peer
+at the URL the session knows it by, which is the peer's node address).
 
-Restarts: a worker whose process dies ends its actor, and Ray restarts the
-actor (``max_restarts``) with a fresh worker on a new port. The cluster
-keeps one call waiting on each actor (``watch``); when one returns or fails,
-the next use of :attr:`RayCluster.session` re-reads the workers' URLs
-(waiting for restarting actors) and gives a new session over the new set.
-:meth:`RayCluster.refresh` does the same on demand, :meth:`RayCluster.restart`
-replaces one worker's actor with a fresh one.
+Failures are Ray's to see: a worker's death is its actor's, Ray restarts
+the actor (``max_restarts``) on the same bundle with a fresh worker on a new
+port. The cluster keeps one call waiting on each actor (``watch``), which Ray
+fails when the actor dies; the next use of :attr:`RayCluster.session` then
+re-reads the workers' URLs (waiting for restarting actors) and gives a new
+session over the new set. :meth:`RayCluster.refresh` does the same on
+demand, :meth:`RayCluster.restart` replaces one worker's actor with a fresh
+one. Errors are read from Ray's exception types and ``RayTaskError.cause``,
+never from their text.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ import time
 from collections.abc import Mapping, Sequence
 
 from ..client.session import Session
-from ..errors import RemoteError, WorkerUnavailableError
-from . import actor as actor_module
+from ..errors import PlacementError, RemoteError, WorkerUnavailableError
+from .actor import WorkerActor
 
 log = logging.getLogger(__name__)
 
@@ -45,32 +48,44 @@ def _ray():
 class RayCluster:
     """``num_workers`` remotorch workers in Ray actors, and a :class:`remotorch.Session` over them.
 
-    A context manager: entering starts the workers (and Ray, if this process
-    has not initialised it), leaving closes the session, ends every worker
-    and its actor, and shuts Ray down only if it started it.
+    A context manager: entering reserves the workers' resources and starts
+    them (and Ray, if this process has not initialised it), leaving closes
+    the session, ends every worker and its actor, releases the reservation,
+    and shuts Ray down only if it started it.
 
     ``address``: ``None`` starts a local Ray (dashboard off unless
     ``ray_init_kwargs`` say otherwise); ``"auto"`` or ``"ray://…"``/``"host:port"``
     joins an existing cluster. If Ray is already initialised in this process,
     it is used as it is.
 
-    Each actor reserves ``num_cpus_per_worker`` CPUs and ``num_gpus_per_worker``
-    GPUs (Ray sets ``CUDA_VISIBLE_DEVICES``; the worker runs on ``cuda``
-    when it has a GPU and on ``cpu`` otherwise, unless ``device`` says), and
-    its worker uses as many threads as CPUs it reserved (at least one).
+    Each worker reserves ``num_cpus_per_worker`` CPUs and ``num_gpus_per_worker``
+    GPUs, as one bundle of a placement group that holds the whole cluster
+    (``placement_strategy``: ``"PACK"``, ``"SPREAD"``, ``"STRICT_PACK"`` or
+    ``"STRICT_SPREAD"``, Ray's meanings), so the workers start together or
+    not at all. A cluster whose request exceeds what the Ray cluster has in
+    total fails at once with :class:`~remotorch.errors.PlacementError`
+    naming what is missing; one that fits in total but not now (other work
+    holds the resources) waits up to ``placement_timeout`` seconds, then
+    fails the same way. ``wait_for_resources=True`` skips the at-once check,
+    for an autoscaling cluster that adds nodes on demand. Ray sets
+    ``CUDA_VISIBLE_DEVICES``; the worker runs on ``cuda`` when it has a GPU
+    and on ``cpu`` otherwise, unless ``device`` says, with as many threads as
+    CPUs it reserved (at least one).
+
     ``engines`` limits the worker engines (``remotorch serve --engines``),
     ``serve_args`` passes further ``remotorch serve`` options
     (``--memory-quota 8G``, ``--tls-cert …`` with paths valid on every node),
-    ``actor_options`` further Ray actor options (``scheduling_strategy``,
-    ``resources``, a placement group…), ``session_options`` further
+    ``actor_options`` further Ray actor options (``resources``,
+    ``runtime_env``…; a ``scheduling_strategy`` of one's own replaces the
+    cluster's placement group), ``session_options`` further
     :class:`remotorch.Session` arguments (``tls_ca``, ``async_calls``…).
 
     ``token``: the workers' shared secret; by default a fresh random one
     (``secrets.token_hex(32)``). It is never logged; it travels to the
     actors as a constructor argument through Ray's control plane (which must
-    stay private to the cluster: see docs/security.md) and to each worker in
-    its environment. ``host``: the address workers bind to; by default the
-    node's address as Ray reports it (127.0.0.1 on a loopback-only cluster).
+    stay private to the cluster: see docs/security.md). ``host``: the
+    address workers bind to; by default the node's address as Ray reports it
+    (127.0.0.1 on a loopback-only cluster).
 
     Worker i is named ``ray-i`` (``remotorch.compile(fn, session=cluster.session,
     worker="ray-1")``).
@@ -79,9 +94,10 @@ class RayCluster:
     def __init__(self, num_workers: int = 1, num_gpus_per_worker: float = 0, address: str | None = None, *,
                  num_cpus_per_worker: float = 1, engines: Sequence[str] | None = None, device: str | None = None,
                  token: str | None = None, host: str | None = None, max_restarts: int = 3,
-                 start_timeout: float = 180.0, serve_args: Sequence[str] = (),
-                 actor_options: Mapping | None = None, session_options: Mapping | None = None,
-                 ray_init_kwargs: Mapping | None = None) -> None:
+                 start_timeout: float = 180.0, placement_strategy: str = "PACK",
+                 placement_timeout: float = 30.0, wait_for_resources: bool = False,
+                 serve_args: Sequence[str] = (), actor_options: Mapping | None = None,
+                 session_options: Mapping | None = None, ray_init_kwargs: Mapping | None = None) -> None:
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
         if not num_gpus_per_worker >= 0 or not num_cpus_per_worker >= 0:
@@ -90,24 +106,29 @@ class RayCluster:
             raise ValueError("token must be a non-empty string (or None for a random one)")
         if not isinstance(max_restarts, int) or max_restarts < -1:
             raise ValueError(f"max_restarts must be an int >= -1 (-1: unlimited), got {max_restarts!r}")
+        if placement_strategy not in _STRATEGIES:
+            raise ValueError(f"placement_strategy must be one of {', '.join(_STRATEGIES)}, got {placement_strategy!r}")
         self.num_workers = num_workers
         self.num_gpus_per_worker = num_gpus_per_worker
         self.num_cpus_per_worker = num_cpus_per_worker
         self.address = address
         self.max_restarts = max_restarts
         self.start_timeout = start_timeout
+        self.placement_strategy = placement_strategy
+        self.placement_timeout = placement_timeout
+        self.wait_for_resources = wait_for_resources
         self._token = token or secrets.token_hex(32)
         self._worker_kwargs = dict(
             host=host, device=device or ("cuda" if num_gpus_per_worker > 0 else "cpu"),
             threads=num_cpus_per_worker,
-            serve_args=[*(["--engines", ",".join(engines)] if engines else []), *serve_args],
-            start_timeout=start_timeout)
+            serve_args=[*(["--engines", ",".join(engines)] if engines else []), *serve_args])
         self._actor_options = dict(actor_options or {})
         self._session_options = dict(session_options or {})
         self._ray_init_kwargs = dict(ray_init_kwargs or {})
         self._lock = threading.RLock()
         self._owns_ray = False
         self._remote_class = None
+        self._group = None  # the placement group: one bundle per worker
         self._actors: list = []
         self._infos: list[dict] = []
         self._watches: list = []
@@ -123,10 +144,12 @@ class RayCluster:
         self.close()
 
     def start(self) -> RayCluster:
-        """Start Ray (if needed) and the workers; returns when every worker serves.
+        """Start Ray (if needed), reserve the workers' resources, start them; returns when every worker serves.
 
-        ``WorkerUnavailableError`` (with the worker's own words) if one does
-        not start within ``start_timeout``; then nothing is left running.
+        ``PlacementError`` if the workers do not fit (at once, or after
+        ``placement_timeout``); ``WorkerUnavailableError`` (with the
+        worker's own words) if one does not start within ``start_timeout``.
+        Either way nothing is left running or reserved.
         """
         with self._lock:
             if self._started:
@@ -134,7 +157,8 @@ class RayCluster:
             ray = _ray()
             self._init_ray(ray)
             try:
-                self._remote_class = _remote_class(ray)
+                self._group = self._reserve(ray)
+                self._remote_class = ray.remote(WorkerActor)
                 self._actors = [self._spawn(i) for i in range(self.num_workers)]
                 self._infos = self._read_infos(range(self.num_workers), self.start_timeout)
             except BaseException:
@@ -146,7 +170,8 @@ class RayCluster:
             return self
 
     def close(self) -> None:
-        """Close the session, end every worker and its actor, shut Ray down if this cluster started it."""
+        """Close the session, end every worker and its actor, release the placement group, shut Ray
+        down if this cluster started it."""
         with self._lock:
             self._started = False
             self._teardown()
@@ -168,20 +193,61 @@ class RayCluster:
             self._session = None
         if self._actors:
             stops = [a.stop.remote() for a in self._actors]
-            ray.wait(stops, num_returns=len(stops), timeout=30.0)  # each worker ends, then its actor
+            ray.wait(stops, num_returns=len(stops), timeout=30.0)  # each worker stops serving, then its actor ends
             for a in self._actors:
                 _kill(ray, a)
+        if self._group is not None:
+            ray.util.remove_placement_group(self._group)
+            self._group = None
         self._actors, self._infos, self._watches = [], [], []
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
 
-    # ------------------------------------------------------------------ actors
+    # ------------------------------------------------------------------ placement and actors
+    def _bundle(self) -> dict[str, float]:
+        bundle = {"CPU": self.num_cpus_per_worker, "GPU": self.num_gpus_per_worker}
+        return {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.01}  # Ray refuses an empty bundle
+
+    def _reserve(self, ray):
+        """The cluster's placement group, ready; ``PlacementError`` naming what does not fit."""
+        if "scheduling_strategy" in self._actor_options:  # the user places the actors
+            return None
+        bundle = self._bundle()
+        wanted = {k: v * self.num_workers for k, v in bundle.items()}
+        if not self.wait_for_resources:
+            total = ray.cluster_resources()
+            short = {k: (v, total.get(k, 0.0)) for k, v in wanted.items() if v > total.get(k, 0.0) + 1e-9}
+            if short:
+                raise PlacementError(
+                    f"RayCluster({self.num_workers}) needs {self.num_workers} x {_fmt(bundle)} = {_fmt(wanted)}, "
+                    f"more than the Ray cluster has in total: "
+                    + ", ".join(f"{k} {need:g} wanted, {have:g} in the cluster" for k, (need, have) in short.items())
+                    + " (wait_for_resources=True waits for an autoscaler to add nodes)")
+        group = ray.util.placement_group([dict(bundle) for _ in range(self.num_workers)],
+                                         strategy=self.placement_strategy, name=f"remotorch-{secrets.token_hex(4)}")
+        try:
+            ray.get(group.ready(), timeout=self.placement_timeout)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(group)
+            raise PlacementError(
+                f"RayCluster({self.num_workers}): {self.num_workers} x {_fmt(bundle)} "
+                f"({self.placement_strategy}) could not be placed within {self.placement_timeout:g}s; "
+                f"free now: {_fmt(ray.available_resources(), keys=bundle)}") from None
+        return group
+
     def _spawn(self, index: int):
-        """Start worker ``index``'s actor (returns at once; its worker starts in the background)."""
+        """Start worker ``index``'s actor on its bundle (returns at once; its worker starts in the background)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         options = dict(num_cpus=self.num_cpus_per_worker, num_gpus=self.num_gpus_per_worker,
                        max_restarts=self.max_restarts, max_task_retries=0,
                        max_concurrency=4)  # info and stop must answer while watch waits
+        if self._group is not None:
+            if options["num_cpus"] == 0 and options["num_gpus"] == 0:
+                options["num_cpus"] = 0.01  # the bundle's token CPU, so the actor is scheduled in it
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self._group, placement_group_bundle_index=index)
         options.update(self._actor_options)
         return self._remote_class.options(**options).remote(index, self._token, name=f"ray-{index}",
                                                              **self._worker_kwargs)
@@ -200,11 +266,17 @@ class RayCluster:
                     infos[i] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
                 except ray.exceptions.GetTimeoutError:
                     last[i] = f"no answer within {timeout:.0f}s"
-                except ray.exceptions.ActorDiedError as exc:
+                except ray.exceptions.RayTaskError as exc:  # info raised: the worker could not start
+                    cause = exc.cause
+                    if isinstance(cause, RemoteError):
+                        raise type(cause)(f"worker ray-{i}: {cause.message}") from None
+                    raise WorkerUnavailableError(f"worker ray-{i}: {type(cause).__name__}: {cause}") from None
+                except ray.exceptions.ActorDiedError as exc:  # restarts used up, or killed for good
                     hint = f" (cluster.restart({i}) starts a new one)" if self._started else ""
-                    raise WorkerUnavailableError(f"worker ray-{i}'s actor is dead{hint}: {_cause(exc)}") from None
-                except ray.exceptions.RayError as exc:  # its worker died a moment ago: it restarts
-                    last[i] = _cause(exc)
+                    raise WorkerUnavailableError(f"worker ray-{i}'s actor is dead{hint}: "
+                                                 f"{exc.error_msg.splitlines()[0]}") from None
+                except ray.exceptions.RayActorError as exc:  # it died a moment ago and is restarting
+                    last[i] = type(exc).__name__
             if len(infos) == len(indices):
                 return [infos[i] for i in indices]
             if time.monotonic() >= deadline:
@@ -225,8 +297,8 @@ class RayCluster:
 
     @property
     def workers(self) -> list[dict]:
-        """Each worker's last report: index, name, url, host, pid (of the worker), actor_pid,
-        node_id, gpu_ids, incarnation (new on each start)."""
+        """Each worker's last report: index, name, url, host, pid (of the worker, which is its actor's
+        process), node_id, gpu_ids, incarnation (new on each start)."""
         return [dict(info) for info in self._infos]
 
     @property
@@ -303,7 +375,7 @@ class RayCluster:
             except ray.exceptions.GetTimeoutError:
                 entry.update(actor="unanswered", error=f"its actor did not answer within {timeout:g}s")
             except ray.exceptions.RayError as exc:
-                entry.update(actor="dead", error=_cause(exc))
+                entry.update(actor="dead", error=f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
             else:
                 entry["actor"] = "alive"
                 entry.update(_probe(entry["url"], self._token, timeout))
@@ -330,12 +402,11 @@ class RayCluster:
         return f"RayCluster({self.num_workers} workers: {state})"
 
 
-def _remote_class(ray):
-    """The worker actor class for Ray, shipped by value so actor processes never import remotorch or torch."""
-    # Ray's own control plane (driver -> actor, inside the private cluster; docs/security.md §8)
-    # pickles the actor class; remotorch's protocol, the only boundary a client faces, never does
-    ray.cloudpickle.register_pickle_by_value(actor_module)
-    return ray.remote(actor_module.WorkerActor)
+_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def _fmt(resources: Mapping[str, float], keys: Mapping | None = None) -> str:
+    return "{" + ", ".join(f"{k}: {resources.get(k, 0.0):g}" for k in (keys or resources)) + "}"
 
 
 def _kill(ray, handle) -> None:
@@ -343,17 +414,6 @@ def _kill(ray, handle) -> None:
         ray.kill(handle, no_restart=True)
     except Exception as exc:  # already gone
         log.debug("killing a worker actor: %s", exc)
-
-
-def _cause(exc: BaseException, keep: int = 16) -> str:
-    """What a Ray error says, without Ray's own context lines (the worker's last words come last)."""
-    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip() and "ray::" not in ln]
-    first = next((i for i, ln in enumerate(lines) if "RuntimeError: " in ln), None)
-    if first is None:
-        return lines[0] if lines else type(exc).__name__
-    head = lines[first][lines[first].index("RuntimeError: ") + len("RuntimeError: "):]
-    rest = lines[first + 1:]
-    return "\n".join([head, *(["…"] if len(rest) > keep else []), *rest[-keep:]])
 
 
 def _probe(url: str, token: str, timeout: float) -> dict:
