@@ -390,9 +390,16 @@ class SendHandles(msgspec.Struct, frozen=True, tag="send_handles", omit_defaults
 
 
 class Deliver(msgspec.Struct, frozen=True, tag="deliver", omit_defaults=True):
-    """Worker to worker, on a connection opened with a ticket: the tensors it names, in frames."""
+    """Worker to worker, on a connection opened with a ticket: the tensors a ticket names, in frames.
+
+    The first ``Deliver`` of a connection is under the ticket its hello
+    presented (``ticket`` and ``proof`` empty); each later one names its own
+    ``ticket`` and proves its secret for this connection (§18.2).
+    """
 
     metas: list[TensorMeta]
+    ticket: bytes = b""
+    proof: bytes = b""
 
 
 # ------------------------------------------------------------ every message, once

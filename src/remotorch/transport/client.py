@@ -172,6 +172,12 @@ class TcpTransport(Transport):
         """True while a connection is open (no I/O)."""
         return self._channel is not None
 
+    @property
+    def binding(self) -> bytes | None:
+        """The open connection's binding (:attr:`FramedChannel.binding`), or None when none is open."""
+        channel = self._channel
+        return None if channel is None else channel.binding
+
     def request(self, header: bytes, frames: Sequence[Buffer] = (), *,
                 progress: Callable[[int], None] | None = None) -> tuple[bytes, list]:
         with self._lock:

@@ -187,6 +187,8 @@ class FramedChannel:
         self.sock = sock
         self.send_timeout = send_timeout  # for a non-blocking socket: how long a send may wait
         self._send_key, self._recv_key = direction_keys(key, role)
+        # names this connection to both ends (a proof made for it is worthless on any other); not a key
+        self.binding = _mac(key, b"binding")
         self._send_seq = 0
         self._recv_seq = 0
         self.max_frame = max_frame

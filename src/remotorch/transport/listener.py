@@ -40,9 +40,10 @@ log = logging.getLogger(__name__)
 
 # handler(connection_id, header, frames) -> (reply_header, reply_frames)
 Handler = Callable[[int, bytes, list], tuple[bytes, Sequence]]
-# ticket_handler(ticket_id, header, frames) -> (reply_header, reply_frames): the one message
-# of a connection opened with a one-time ticket instead of the token (worker to worker)
-TicketHandler = Callable[[bytes, bytes, list], tuple[bytes, Sequence]]
+# ticket_handler(ticket_id, binding, header, frames) -> (reply_header, reply_frames): a message of
+# a connection opened with a one-time ticket instead of the token (worker to worker); ticket_id is
+# the hello's ticket for the connection's first message, None for the later ones (each names its own)
+TicketHandler = Callable[[bytes | None, bytes, bytes, list], tuple[bytes, Sequence]]
 
 
 class TcpServer:
@@ -137,19 +138,26 @@ class TcpServer:
             conn.close()
 
     def _serve_ticket(self, cid: int, conn: socket.socket, key: bytes, ticket: bytes) -> None:
-        """A connection opened with a ticket carries one message, served on this thread, then closes.
+        """A connection opened with a ticket carries ``Deliver`` messages, served on this thread.
 
-        Off the serving loop on purpose: two workers sending to each other at
-        the same time must not wait on each other's loops.
+        The first is under the ticket the hello presented; the handler checks
+        the ticket each later one names (``ticket`` is None then). The
+        connection closes when the peer closes it or stays silent longer
+        than the message timeout. Off the serving loop on purpose: two
+        workers sending to each other at the same time must not wait on
+        each other's loops.
         """
         try:
             conn.settimeout(self._message_timeout)
             channel = FramedChannel(conn, key, role="server", max_frame=self._max_frame,
                                     max_header=self._max_header, max_message=self._max_message)
-            header, frames, _ = channel.recv()
-            reply, reply_frames = self._ticket_handler(ticket, header, frames)
-            del frames
-            channel.send(reply, reply_frames)
+            first: bytes | None = ticket
+            while not self._closing.is_set():
+                header, frames, _ = channel.recv()
+                reply, reply_frames = self._ticket_handler(first, channel.binding, header, frames)
+                del frames
+                channel.send(reply, reply_frames)
+                first = None
         except (FramingError, MessageTooLarge, OSError) as exc:
             log.debug("ticket connection %d closed: %s", cid, exc)
         finally:

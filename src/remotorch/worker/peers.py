@@ -6,14 +6,22 @@ the bytes itself. It asks B for a ticket (``ExpectHandles``: these handle ids
 of my session, these layouts), then asks A to send (``SendHandles`` with B's
 URL and the ticket). A opens a connection to B presenting the ticket in place
 of a token (the same challenge–response, with the ticket's secret; see
-:mod:`remotorch.transport.handshake`), sends one ``Deliver``, and B stores
+:mod:`remotorch.transport.handshake`), sends a ``Deliver``, and B stores
 exactly the expected tensors in the issuing session. A ticket is used once,
 expires after ``ttl_s``, and gives its bearer nothing else: no request of the
 worker protocol is served on a ticket connection.
+
+A keeps that connection (:class:`PeerLinks`, one idle connection per peer)
+and sends its next deliveries to B on it, each naming its own ticket with a
+proof of that ticket's secret bound to the connection
+(:func:`deliver_proof`): a pipeline's steady stream of activations pays one
+handshake per peer, not one per transfer, and still every delivery is
+authorised by a ticket of its own.
 """
 
 from __future__ import annotations
 
+import hmac
 import os
 import threading
 import time
@@ -24,7 +32,7 @@ import torch
 
 from ..codec import messages as m
 from ..codec.frames import FrameWriter
-from ..errors import InvalidRequestError, LimitExceededError, ProtocolError, from_reply
+from ..errors import InvalidRequestError, LimitExceededError, ProtocolError, WorkerUnavailableError, from_reply
 from ..transport.client import TcpTransport
 from ..transport.handshake import TICKET_ID_SIZE
 from ..transport.tls import client_context
@@ -85,26 +93,96 @@ class Tickets:
         return len(self._by_id)
 
 
-def send_to_peer(url: str, ticket_id: bytes, secret: bytes, tensors: list[torch.Tensor], *,
-                 timeout: float, tls_ca: str | None = None) -> None:
-    """Deliver tensors to the worker at ``url`` under its ticket; raises the typed error it answers."""
-    if len(ticket_id) != TICKET_ID_SIZE or len(secret) != 32:
-        raise InvalidRequestError("a ticket is a 16-byte id and a 32-byte secret")
-    tls = client_context(tls_ca) if url.startswith("tls://") else None
-    try:
-        transport = TcpTransport(url, secret, protocol=m.PROTOCOL_VERSION, connect_timeout=min(timeout, 10.0),
-                                 timeout=timeout, tls=tls, ticket_id=ticket_id)
-    except ValueError as exc:
-        raise InvalidRequestError(str(exc)) from None
-    try:
+def deliver_proof(secret: bytes, binding: bytes, ticket_id: bytes) -> bytes:
+    """The proof that a later ``Deliver`` on a connection holds ``ticket_id``'s secret (worthless elsewhere)."""
+    return hmac.digest(secret, b"remotorch deliver\x00" + binding + ticket_id, "sha256")
+
+
+class PeerLinks:
+    """One idle ticket connection per peer URL, reused for the next delivery to that peer.
+
+    A link is taken out of the pool while it carries a delivery, so two
+    deliveries to one peer at once use two connections. A link idle longer
+    than ``idle_s`` is closed rather than reused (the peer closes a silent
+    ticket connection after its message timeout); a reused link that turns
+    out closed is replaced by a fresh connection under the same ticket, once.
+    """
+
+    def __init__(self, idle_s: float = 20.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.idle_s = idle_s
+        self._clock = clock
+        self._idle: dict[str, list[tuple[float, TcpTransport]]] = {}
+        self._lock = threading.Lock()
+        self.opened = 0  # connections made (handshakes), for tests and benchmarks
+
+    def send(self, url: str, ticket_id: bytes, secret: bytes, tensors: list[torch.Tensor], *,
+             timeout: float, tls_ca: str | None = None) -> None:
+        """Deliver ``tensors`` to the worker at ``url`` under its ticket; raises the typed error it answers."""
+        if len(ticket_id) != TICKET_ID_SIZE or len(secret) != 32:
+            raise InvalidRequestError("a ticket is a 16-byte id and a 32-byte secret")
         w = FrameWriter()
         metas = [w.meta(t) for t in tensors]
-        header, _ = transport.request(m.encode(m.Deliver(metas)), w.frames)
-    finally:
-        transport.close()
-    try:
-        reply = m.decode(header)
-    except Exception as exc:
-        raise ProtocolError(f"unreadable answer from worker {url}: {exc}") from None
-    if isinstance(reply, m.ErrorReply):
-        raise from_reply(reply.kind, f"worker {url}: {reply.message}", reply.traceback)
+        link = self._take(url)
+        if link is not None:
+            proof = deliver_proof(secret, link.binding or b"", ticket_id)
+            try:
+                header = link.request(m.encode(m.Deliver(metas, ticket_id, proof)), w.frames)[0]
+            except WorkerUnavailableError:  # the peer closed it meanwhile: a fresh one, under the same ticket
+                link.close()
+                link = None
+        if link is None:
+            link = self._open(url, ticket_id, secret, timeout, tls_ca)
+            try:
+                header = link.request(m.encode(m.Deliver(metas)), w.frames)[0]
+            except BaseException:
+                link.close()
+                raise
+        self._give_back(url, link)
+        try:
+            reply = m.decode(header)
+        except Exception as exc:
+            raise ProtocolError(f"unreadable answer from worker {url}: {exc}") from None
+        if isinstance(reply, m.ErrorReply):
+            raise from_reply(reply.kind, f"worker {url}: {reply.message}", reply.traceback)
+
+    def close(self) -> None:
+        """Close every idle link."""
+        with self._lock:
+            links, self._idle = [t for ts in self._idle.values() for _, t in ts], {}
+        for link in links:
+            link.close()
+
+    def __len__(self) -> int:
+        return sum(len(ts) for ts in self._idle.values())
+
+    def _open(self, url: str, ticket_id: bytes, secret: bytes, timeout: float, tls_ca: str | None) -> TcpTransport:
+        tls = client_context(tls_ca) if url.startswith("tls://") else None
+        try:
+            link = TcpTransport(url, secret, protocol=m.PROTOCOL_VERSION, connect_timeout=min(timeout, 10.0),
+                                timeout=timeout, tls=tls, ticket_id=ticket_id)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        self.opened += 1
+        return link
+
+    def _take(self, url: str) -> TcpTransport | None:
+        now = self._clock()
+        stale = []
+        with self._lock:
+            links = self._idle.get(url, [])
+            while links:
+                since, link = links.pop()
+                if now - since <= self.idle_s and link.connected:
+                    break
+                stale.append(link)
+            else:
+                link = None
+        for old in stale:
+            old.close()
+        return link
+
+    def _give_back(self, url: str, link: TcpTransport) -> None:
+        if not link.connected:
+            return
+        with self._lock:
+            self._idle.setdefault(url, []).append((self._clock(), link))

@@ -57,6 +57,7 @@ class WorkerServer:
             self._tcp.serve_forever()
         finally:
             self._reaper_stop.set()
+            self.service.peers.close()
 
     def shutdown(self) -> None:
         """Stop serving (the request in progress finishes first). Safe from any thread."""

@@ -11,6 +11,7 @@ calls it for each message; tests may call it in-process.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 import traceback
@@ -24,7 +25,7 @@ from ..codec.frames import SCALARS, FrameWriter
 from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsError, ProtocolError, RemoteError,
                       RemoteOutOfMemoryError, WorkerError)
 from .leases import SESSION_ID, LeaseTable
-from .peers import Tickets, send_to_peer
+from .peers import PeerLinks, Tickets, deliver_proof
 from .worker import Worker
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class Service:
         self.close_connection = close_connection
         self._connections: set[int] = set()
         self.tickets = Tickets(clock=clock)
+        self.peers = PeerLinks()  # one idle connection per peer worker, for deliveries
         self.peer_timeout_s = 60.0  # a send to another worker: connect and delivery
         self.peer_tls_ca: str | None = None  # CA to check tls:// workers this one sends to
 
@@ -182,7 +184,7 @@ class Service:
         return m.encode(m.RunReply(outputs, ran.ms, ran.compiled)), w.frames
 
     def _send(self, url: str, ticket_id: bytes, secret: bytes, tensors: list) -> None:
-        send_to_peer(url, ticket_id, secret, tensors, timeout=self.peer_timeout_s, tls_ca=self.peer_tls_ca)
+        self.peers.send(url, ticket_id, secret, tensors, timeout=self.peer_timeout_s, tls_ca=self.peer_tls_ca)
 
     def _bind_slots(self, session, req: m.BindSlots, frames) -> Reply:
         if len(req.slots) != len(req.values):
@@ -265,15 +267,27 @@ class Service:
         self._send(req.url, req.ticket_id, req.secret, tensors)
         return _ok()
 
-    def deliver(self, ticket_id: bytes, header: bytes, frames: list) -> Reply:
-        """The one message of a connection opened with a ticket (runs on that connection's thread)."""
+    def deliver(self, ticket_id: bytes | None, binding: bytes, header: bytes, frames: list) -> Reply:
+        """A message of a connection opened with a ticket (runs on that connection's thread).
+
+        ``ticket_id``: the ticket the connection's hello presented, for its
+        first message; None for a later one, which names its own ticket and
+        proves its secret for this connection (``binding``).
+        """
         try:
             try:
                 req = m.decode(header)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise ProtocolError(f"malformed message: {exc}") from None
             if not isinstance(req, m.Deliver):
-                raise ProtocolError("a ticket connection carries one Deliver")
+                raise ProtocolError("a ticket connection carries only Deliver")
+            if ticket_id is None:  # a later delivery on the connection: its own ticket, proven
+                secret = self.tickets.secret(req.ticket)
+                if secret is None or not hmac.compare_digest(req.proof, deliver_proof(secret, binding, req.ticket)):
+                    raise InvalidRequestError("the ticket was used already or expired, or its proof is wrong")
+                ticket_id = req.ticket
+            elif req.ticket and req.ticket != ticket_id:
+                raise ProtocolError("the first Deliver of a ticket connection is under the hello's ticket")
             ticket = self.tickets.take(ticket_id)
             if ticket is None:
                 raise InvalidRequestError("the ticket was used already or expired")
