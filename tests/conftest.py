@@ -7,6 +7,7 @@ run; ``start_server`` starts extra ones for tests that kill or misuse a server.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -76,15 +77,19 @@ def clean_env(**extra: str) -> dict:
     return env
 
 
-def spawn_server(*, token: str | None = TOKEN, name: str = "test", extra_args: tuple = ()) -> ServerProcess:
-    """Start ``python -m remotorch serve`` on a free loopback port and wait until it serves."""
+def spawn_server(*, token: str | None = TOKEN, name: str = "test", extra_args: tuple = (),
+                 env: dict | None = None) -> ServerProcess:
+    """Start ``python -m remotorch serve`` on a free loopback port and wait until it serves.
+
+    ``env``: variables added to its (otherwise clean) environment, e.g. ``PYTHONPATH``.
+    """
     args = ["--host", "127.0.0.1", "--port", "0", "--name", name, *extra_args]
     if token is not None:
         args += ["--token", token]
     fd, stderr_path = tempfile.mkstemp(prefix="remotorch-server-", suffix=".log")
     try:
         with os.fdopen(fd, "w") as stderr:
-            worker = spawn_worker(args, env=clean_env(), stderr=stderr, start_timeout=START_TIMEOUT)
+            worker = spawn_worker(args, env=clean_env(**(env or {})), stderr=stderr, start_timeout=START_TIMEOUT)
     except WorkerUnavailableError as exc:
         with open(stderr_path, encoding="utf-8", errors="replace") as f:
             log = f.read()
@@ -101,42 +106,9 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def server():
-    """The shared worker server for the whole test run."""
-    srv = spawn_server(token=TOKEN, name="test")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def session(server):
-    """A fresh Session to the shared server, closed after the test."""
-    s = remotorch.Session(server.url, token=TOKEN)
-    yield s
-    s.close()
-    if not server.alive():
-        pytest.fail(f"the shared worker server died during the test:\n{server.stderr_text()[-4000:]}")
-
-
-@pytest.fixture
-def make_session(server):
-    """Factory for extra sessions to the shared server (all closed after the test)."""
-    made: list[remotorch.Session] = []
-
-    def make(url: str | None = None, token: str | None = TOKEN, **kwargs) -> remotorch.Session:
-        s = remotorch.Session(url or server.url, token=token, **kwargs)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
-
-
-@pytest.fixture
-def start_server():
-    """Factory that starts extra servers (for tests that kill or abuse one); all killed after."""
+@contextlib.contextmanager
+def _started_servers():
+    """A ``start(**spawn_server_kwargs)`` function; every server it started is stopped on leaving."""
     started: list[ServerProcess] = []
 
     def start(**kwargs) -> ServerProcess:
@@ -144,9 +116,79 @@ def start_server():
         started.append(srv)
         return srv
 
-    yield start
-    for srv in started:
-        srv.stop()
+    try:
+        yield start
+    finally:
+        for srv in started:
+            srv.stop()
+
+
+@pytest.fixture(scope="session")
+def server():
+    """The shared worker server for the whole test run."""
+    with _started_servers() as start:
+        yield start(token=TOKEN, name="test")
+
+
+@pytest.fixture
+def start_server():
+    """Factory that starts extra servers (for tests that kill or abuse one); all killed after the test.
+
+    ``start_server(token=..., name=..., extra_args=(...), env={...})``: the arguments of ``spawn_server``.
+    """
+    with _started_servers() as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def start_module_server():
+    """``start_server`` for the module-scoped fixtures of a test file: its servers stop after the file's tests."""
+    with _started_servers() as start:
+        yield start
+
+
+@pytest.fixture
+def session_for():
+    """Factory: ``session_for(*workers, token=TOKEN, **options)`` opens a ``remotorch.Session``.
+
+    ``workers``: server processes (``ServerProcess`` or ``EmbeddedWorker``) or URLs; several (or a
+    list) make a multi-worker session. After the test every session is closed, and the test fails if
+    a worker process it was given died meanwhile (a URL is not checked: tests that stop servers pass URLs).
+    """
+    opened: list[tuple[remotorch.Session, list]] = []
+
+    def open_session(*workers, token: str | None = TOKEN, **options) -> remotorch.Session:
+        several = len(workers) != 1 or isinstance(workers[0], (list, tuple))
+        flat = [w for item in workers for w in (item if isinstance(item, (list, tuple)) else [item])]
+        urls = [w if isinstance(w, str) else w.url for w in flat]
+        s = remotorch.Session(urls if several else urls[0], token=token, **options)
+        opened.append((s, [w for w in flat if not isinstance(w, str)]))
+        return s
+
+    yield open_session
+    for s, _ in opened:
+        s.close()
+    dead = {id(w): w for _, workers in opened for w in workers if not w.alive()}
+    if dead:
+        pytest.fail("worker(s) died during the test:\n" + "\n".join(
+            f"{getattr(w, 'name', w.url)}: {w.stderr_text()[-4000:] if hasattr(w, 'stderr_text') else ''}"
+            for w in dead.values()))
+
+
+@pytest.fixture
+def session(server, session_for):
+    """A fresh Session to the shared server, closed after the test (which fails if the server died)."""
+    return session_for(server)
+
+
+@pytest.fixture
+def make_session(server, session_for):
+    """Factory for extra sessions to the shared server, or to ``url`` (one, or a list: all closed after the test)."""
+
+    def make(url: str | list | None = None, token: str | None = TOKEN, **kwargs) -> remotorch.Session:
+        return session_for(url or server, token=token, **kwargs)
+
+    return make
 
 
 # A loopback-only Ray: Ray binds and dials 127.0.0.1 instead of this host's network address
@@ -217,9 +259,8 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool
 @pytest.fixture(scope="session")
 def zoo_worker():
     """One worker for the whole conformance suite, allowing transformers' custom operators (MoE experts)."""
-    srv = spawn_server(token=TOKEN, name="zoo", extra_args=("--allow-ops", "transformers"))
-    yield srv
-    srv.stop()
+    with _started_servers() as start:
+        yield start(token=TOKEN, name="zoo", extra_args=("--allow-ops", "transformers"))
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,6 @@ import torch
 
 import remotorch
 from remotorch import models
-from remotorch.client.embedded import spawn_worker
 from remotorch.codec import messages as m
 from remotorch.codec.graph import graph_id
 from remotorch.codec.tensors import tensor_to_wire
@@ -33,29 +32,23 @@ from remotorch.optim import RemoteOptimizer
 
 from conftest import TOKEN, clean_env
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, TESTS)
-import custom_ops_lib  # noqa: E402  (registers rmtest_lib here too, as the user's process would)
+import custom_ops_lib  # (registers rmtest_lib here too, as the user's process would)
+
+TESTS = os.path.dirname(os.path.abspath(custom_ops_lib.__file__))  # the PYTHONPATH that finds it
 
 GROUPED_MM = "transformers::grouped_mm_fallback.default"
 
 
 @pytest.fixture(scope="module")
-def ops_worker():
+def ops_worker(start_module_server):
     """A worker that allows transformers' operators and the test library's (imported with --import)."""
-    worker = spawn_worker(["--host", "127.0.0.1", "--port", "0", "--token", TOKEN, "--name", "ops",
-                           "--allow-ops", "transformers,rmtest_lib", "--import", "custom_ops_lib"],
-                          env=clean_env(PYTHONPATH=TESTS), stderr=subprocess.DEVNULL)
-    yield worker
-    worker.stop()
+    return start_module_server(name="ops", extra_args=("--allow-ops", "transformers,rmtest_lib",
+                                                       "--import", "custom_ops_lib"), env={"PYTHONPATH": TESTS})
 
 
 @pytest.fixture
-def ops_session(ops_worker):
-    s = remotorch.Session(ops_worker.url, token=TOKEN)
-    yield s
-    s.close()
-    assert ops_worker.alive(), "the worker with --allow-ops died during the test"
+def ops_session(session_for, ops_worker):
+    return session_for(ops_worker)
 
 
 def mixtral(**extra):

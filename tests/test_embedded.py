@@ -10,6 +10,8 @@ import torch
 import remotorch
 from remotorch import models
 
+from helpers import Probe
+
 
 def test_session_without_url_runs_on_an_embedded_worker(monkeypatch):
     monkeypatch.delenv("REMOTORCH_URL", raising=False)
@@ -18,11 +20,7 @@ def test_session_without_url_runs_on_an_embedded_worker(monkeypatch):
     try:
         assert session.embedded
         torch.manual_seed(0)
-        model = models.mlp().eval()
-        compiled = remotorch.compile(model, session=session, fallback="raise")
-        x = torch.randn(4, 784)
-        with torch.no_grad():
-            assert torch.equal(compiled(x), model(x))
+        Probe(session, models.mlp(), torch.randn(4, 784))()
         assert session.stats()["remote_calls"] == 1
         assert session.health()["name"] == "local"
         worker = session.embedded_worker

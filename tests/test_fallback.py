@@ -17,6 +17,7 @@ from remotorch.errors import (AuthenticationError, RemoteError, RemoteFallbackWa
                               UnsupportedGraphError, WorkerUnavailableError)
 
 from conftest import TOKEN, closed_port
+from helpers import Probe, assert_still_serves
 
 
 def fallback_warnings(record) -> list:
@@ -32,14 +33,11 @@ def test_unreachable_worker_falls_back_locally_with_one_warning_per_graph():
     session = unreachable_session()  # creating it must not contact anyone, so must not raise
     try:
         torch.manual_seed(0)
-        model = models.mlp().eval()
-        compiled = remotorch.compile(model, session=session, fallback="local")
+        probe = Probe(session, models.mlp(), lambda: torch.randn(8, 784), fallback="local")
         calls = 4
         with pytest.warns(RemoteFallbackWarning) as record:
             for _ in range(calls):
-                x = torch.randn(8, 784)
-                with torch.no_grad():
-                    assert torch.equal(compiled(x), model(x))
+                probe()
         assert len(fallback_warnings(record)) == 1
         stats = session.stats()
         assert stats["fallbacks"] == calls
@@ -97,25 +95,21 @@ def test_worker_killed_mid_session_falls_back_then_recovers_on_restart(start_ser
     session = remotorch.Session(srv.url, token=TOKEN, retry_after=0.0, connect_timeout=2.0)
     try:
         torch.manual_seed(1)
-        model = models.mlp().eval()
-        compiled = remotorch.compile(model, session=session, fallback="local")
-        x = torch.randn(4, 784)
-        with torch.no_grad():
-            assert torch.equal(compiled(x), model(x))
+        probe = Probe(session, models.mlp(), torch.randn(4, 784), fallback="local")
+        probe()
         assert session.stats()["remote_calls"] == 1
 
         srv.stop()
-        with pytest.warns(RemoteFallbackWarning), torch.no_grad():
-            assert torch.equal(compiled(x), model(x))
+        with pytest.warns(RemoteFallbackWarning):
+            probe()
         assert session.stats()["fallbacks"] == 1
 
         # a new worker on the same port knows nothing: the session uploads everything again
         port = srv.port
         srv2 = start_server(name="reborn", extra_args=("--port", str(port)))
         assert srv2.port == port
-        with torch.no_grad():
-            for _ in range(3):
-                assert torch.equal(compiled(x), model(x))
+        for _ in range(3):
+            probe()
         stats = session.stats()
         assert stats["remote_calls"] >= 3
         assert stats["graphs_uploaded"] == 2
@@ -190,22 +184,15 @@ def test_wrong_token_raises_authentication_error(server, session, token, monkeyp
         bad.close()
     # the server goes on serving sessions that hold the right token
     torch._dynamo.reset()
-    model = models.mlp().eval()
-    good = remotorch.compile(model, session=session, fallback="raise")
-    x = torch.randn(3, 784)
-    with torch.no_grad():
-        assert torch.equal(good(x), model(x))
-    assert server.alive()
+    assert_still_serves(session, probe=Probe(session, models.mlp(), torch.randn(3, 784)), server=server)
 
 
 def test_wrong_token_with_local_policy_falls_back(server):
     bad = remotorch.Session(server.url, token="nope")
     try:
-        model = models.mlp().eval()
-        compiled = remotorch.compile(model, session=bad, fallback="local")
-        x = torch.randn(2, 784)
-        with pytest.warns(RemoteFallbackWarning, match="AuthenticationError"), torch.no_grad():
-            assert torch.equal(compiled(x), model(x))
+        probe = Probe(bad, models.mlp(), torch.randn(2, 784), fallback="local")
+        with pytest.warns(RemoteFallbackWarning, match="AuthenticationError"):
+            probe()
         assert bad.stats()["fallbacks"] == 1
     finally:
         bad.close()

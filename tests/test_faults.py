@@ -24,7 +24,8 @@ from remotorch import errors
 from remotorch.codec import messages as m
 from remotorch.transport import TcpTransport
 
-from conftest import TOKEN, clean_env, spawn_server, wait_until
+from conftest import TOKEN, clean_env, wait_until
+from helpers import Probe, tiny_mlp
 
 LEASE = 2.0  # heartbeats every LEASE / 3: a loaded host has over a second of slack
 HOLD = 60.0  # the hold engine keeps a call in flight this long, on any machine
@@ -45,10 +46,8 @@ CLIENT_BYTES = (1 << 19) * 4
 
 
 @pytest.fixture(scope="module")
-def leased():
-    srv = spawn_server(name="leased", extra_args=("--lease", str(LEASE)))
-    yield srv
-    srv.stop()
+def leased(start_module_server):
+    return start_module_server(name="leased", extra_args=("--lease", str(LEASE)))
 
 
 @pytest.fixture
@@ -120,21 +119,17 @@ def test_frozen_worker_gives_unavailable_within_the_timeout(start_server):
     srv = start_server(name="frozen")
     session = remotorch.Session(srv.url, token=TOKEN, timeout=1.5, retry_after=0)
     try:
-        torch.manual_seed(2)
-        model = torch.nn.Linear(4, 3).eval()
-        compiled = remotorch.compile(model, session=session, fallback="raise")
-        x = torch.randn(2, 4)
-        with torch.no_grad():
-            assert torch.equal(compiled(x), model(x))
-            os.kill(srv.proc.pid, signal.SIGSTOP)
-            try:
-                start = time.monotonic()
-                with pytest.raises(errors.WorkerUnavailableError, match="did not answer"):
-                    compiled(x)
-                assert time.monotonic() - start < 5
-            finally:
-                os.kill(srv.proc.pid, signal.SIGCONT)
-            assert torch.equal(compiled(x), model(x))  # reconnects
+        probe = Probe(session, tiny_mlp(4, 3, seed=2), torch.randn(2, 4))
+        probe()
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(errors.WorkerUnavailableError, match="did not answer"), torch.no_grad():
+                probe.compiled(probe.x)
+            assert time.monotonic() - start < 5
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        probe()  # reconnects
         stats = session.stats()
         assert (stats["graphs_uploaded"], stats["tensors_uploaded"]) == (1, 2)  # the lease kept its uploads
     finally:
@@ -199,20 +194,16 @@ def test_frozen_client_without_heartbeats_is_expired(leased, observer):
 def test_reconnect_within_the_lease_keeps_the_uploads(leased, observer):
     session = remotorch.Session(leased.url, token=TOKEN)
     try:
-        torch.manual_seed(3)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).eval()
-        compiled = remotorch.compile(model, session=session, fallback="raise")
-        x = torch.randn(5, 32)
-        with torch.no_grad():
-            assert torch.equal(compiled(x), model(x))
-            uploaded = session.stats()["tensors_uploaded"]
-            session.connection.drop()  # the connection drops
-            assert torch.equal(compiled(x), model(x))  # a new connection, the same session
-            assert session.stats()["tensors_uploaded"] == uploaded
-            assert session.stats()["graphs_uploaded"] == 1
-            time.sleep(LEASE * 2)  # idle for two leases: heartbeats keep it
-            assert torch.equal(compiled(x), model(x))
-            assert session.stats()["tensors_uploaded"] == uploaded
+        probe = Probe(session, tiny_mlp(32, 64, 8, seed=3), torch.randn(5, 32))
+        probe()
+        uploaded = session.stats()["tensors_uploaded"]
+        session.connection.drop()  # the connection drops
+        probe()  # a new connection, the same session
+        assert session.stats()["tensors_uploaded"] == uploaded
+        assert session.stats()["graphs_uploaded"] == 1
+        time.sleep(LEASE * 2)  # idle for two leases: heartbeats keep it
+        probe()
+        assert session.stats()["tensors_uploaded"] == uploaded
     finally:
         session.close()
     assert wait_until(lambda: observer.health()["resident_bytes"] == 0, timeout=5)  # close frees at once
@@ -253,18 +244,14 @@ def test_restarted_worker_gets_everything_again_transparently(start_server):
     port = srv.port
     session = remotorch.Session(srv.url, token=TOKEN, retry_after=0)
     try:
-        torch.manual_seed(9)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).eval()
-        compiled = remotorch.compile(model, session=session, fallback="raise")
-        x = torch.randn(4, 16)
-        with torch.no_grad():
-            assert torch.equal(compiled(x), model(x))
-            srv.stop()
-            with pytest.raises(errors.WorkerUnavailableError):
-                compiled(x)
-            srv2 = start_server(name="second", extra_args=("--port", str(port)))
-            for _ in range(3):
-                assert torch.equal(compiled(x), model(x))
+        probe = Probe(session, tiny_mlp(16, 16, 3, act=torch.nn.Tanh, seed=9), torch.randn(4, 16))
+        probe()
+        srv.stop()
+        with pytest.raises(errors.WorkerUnavailableError), torch.no_grad():
+            probe.compiled(probe.x)
+        srv2 = start_server(name="second", extra_args=("--port", str(port)))
+        for _ in range(3):
+            probe()
         stats = session.stats()
         assert (stats["graphs_uploaded"], stats["tensors_uploaded"]) == (2, 8)  # all of it, once more
         assert session.health()["name"] == "second"

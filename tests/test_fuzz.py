@@ -29,7 +29,8 @@ from remotorch.codec.graph import decode_graph
 from remotorch.codec.tensors import tensor_from_wire
 from remotorch.transport import framing, handshake
 
-from conftest import TOKEN, spawn_server
+from conftest import TOKEN
+from helpers import Probe, assert_still_serves, tiny_mlp
 
 LIVE_MESSAGES = 10_000
 LIVE_FRAMING = 1_000
@@ -97,10 +98,8 @@ def test_tensor_views_stay_inside_their_frame(dtype, shape, strides, nbytes):
 
 # ------------------------------------------------------------------ live worker
 @pytest.fixture(scope="module")
-def target():
-    srv = spawn_server(name="fuzzed")
-    yield srv
-    srv.stop()
+def target(start_module_server):
+    return start_module_server(name="fuzzed")
 
 
 class Conn:
@@ -132,14 +131,11 @@ def check_reply(reply, tally: Counter) -> None:
 
 def assert_still_correct(srv) -> None:
     assert srv.alive(), srv.stderr_text()[-3000:]
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.ReLU(), torch.nn.Linear(20, 2)).eval()
     with remotorch.Session(srv.url, token=TOKEN) as s:
-        compiled = remotorch.compile(model, session=s, fallback="raise")
-        with torch.no_grad():
-            for _ in range(3):
-                x = torch.randn(4, 10)
-                assert torch.equal(compiled(x), model(x))
+        probe = Probe(s, tiny_mlp(10, 20, 2), lambda: torch.randn(4, 10))
+        probe()
+        probe()
+        assert_still_serves(s, name="fuzzed", probe=probe, server=srv)  # the third call
     assert "unexpected error" not in srv.stderr_text()
 
 

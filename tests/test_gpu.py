@@ -13,25 +13,19 @@ import remotorch
 from remotorch import models
 from remotorch.errors import RemoteOutOfMemoryError
 
-from conftest import TOKEN, spawn_server
+from helpers import NEEDS_CUDA
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = NEEDS_CUDA
 
 
 @pytest.fixture(scope="module")
-def cuda_server():
-    srv = spawn_server(token=TOKEN, name="gpu", extra_args=("--device", "cuda"))
-    yield srv
-    srv.stop()
+def cuda_server(start_module_server):
+    return start_module_server(name="gpu", extra_args=("--device", "cuda"))
 
 
 @pytest.fixture
-def cuda_session(cuda_server):
-    s = remotorch.Session(cuda_server.url, token=TOKEN)
-    yield s
-    s.close()
-    assert cuda_server.alive(), cuda_server.stderr_text()[-4000:]
+def cuda_session(session_for, cuda_server):
+    return session_for(cuda_server)
 
 
 def test_health_names_the_cuda_device(cuda_session):

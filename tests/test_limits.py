@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import socket
 import struct
 import time
@@ -30,25 +31,14 @@ LIMIT_ARGS = ("--memory-quota", "1M", "--memory-limit", "3M", "--cache-bytes", "
 
 
 @pytest.fixture(scope="module")
-def limited():
-    srv = spawn_server(name="limited", extra_args=LIMIT_ARGS)
-    yield srv
-    srv.stop()
+def limited(start_module_server):
+    return start_module_server(name="limited", extra_args=LIMIT_ARGS)
 
 
 @pytest.fixture
-def sessions(limited):
-    made = []
-
-    def make(**kw) -> remotorch.Session:
-        s = remotorch.Session(limited.url, token=TOKEN, **kw)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
-    assert limited.alive(), limited.stderr_text()[-3000:]
+def sessions(session_for, limited):
+    """Factory for sessions to the limited worker (closed after the test, which fails if the worker died)."""
+    return functools.partial(session_for, limited)
 
 
 def put(session: remotorch.Session, *tensors: torch.Tensor) -> list[str]:

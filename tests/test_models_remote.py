@@ -16,6 +16,7 @@ from remotorch.codec import messages as m
 from remotorch.codec.tensors import tensor_to_wire
 
 from conftest import wait_until
+from helpers import Probe
 
 SLACK = 1024  # bytes of headers allowed on top of the tensor bytes of a warm call
 
@@ -35,12 +36,8 @@ def test_health_names_the_fixture_server(session):
 
 def test_mlp_uploads_once_and_warm_calls_carry_only_inputs_and_outputs(session):
     torch.manual_seed(0)
-    model = models.mlp().eval()
-    compiled = compile_remote(model, session)
-    x = torch.randn(32, 784)
-    with torch.no_grad():
-        out = compiled(x)
-        assert torch.equal(out, model(x))
+    probe = Probe(session, models.mlp(), torch.randn(32, 784))
+    probe()
     first = session.stats()
     assert first["graphs_uploaded"] == 1
     assert first["tensors_uploaded"] == 4  # two weights, two biases
@@ -50,11 +47,8 @@ def test_mlp_uploads_once_and_warm_calls_carry_only_inputs_and_outputs(session):
     for _ in range(3):
         x = torch.randn(32, 784)
         before = session.stats()
-        with torch.no_grad():
-            out = compiled(x)
-            expected = model(x)
+        out = probe(x)
         after = session.stats()
-        assert torch.equal(out, expected)
         assert after["graphs_uploaded"] == 1
         assert after["tensors_uploaded"] == 4
         assert after["remote_calls"] == before["remote_calls"] + 1
@@ -71,23 +65,18 @@ def test_small_cnn_eval(session):
             if isinstance(m, torch.nn.BatchNorm2d):
                 m.running_mean.uniform_(-0.5, 0.5)
                 m.running_var.uniform_(0.5, 2.0)
-    compiled = compile_remote(model, session)
+    probe = Probe(session, model)
     for _ in range(2):
-        x = torch.randn(4, 3, 32, 32)
-        with torch.no_grad():
-            assert torch.equal(compiled(x), model(x))
+        probe(torch.randn(4, 3, 32, 32))
     assert session.stats()["graphs_uploaded"] == 1
     assert session.stats()["remote_calls"] == 2
 
 
 def test_transformer_block_eval(session):
     torch.manual_seed(2)
-    model = models.TransformerBlock().eval()
-    compiled = compile_remote(model, session)
+    probe = Probe(session, models.TransformerBlock())
     for _ in range(2):
-        x = torch.randn(2, 16, 64)
-        with torch.no_grad():
-            assert torch.equal(compiled(x), model(x))
+        probe(torch.randn(2, 16, 64))
     assert session.stats()["graphs_uploaded"] == 1
 
 
@@ -107,14 +96,9 @@ def test_bar_graph_breaks_follow_the_sign_of_b(session):
 
 def test_dynamic_shapes_share_one_graph(session):
     torch.manual_seed(4)
-    model = models.mlp().eval()
-    compiled = compile_remote(model, session, dynamic=True)
+    probe = Probe(session, models.mlp(), dynamic=True)
     for batch in (2, 5, 17):
-        x = torch.randn(batch, 784)
-        with torch.no_grad():
-            out = compiled(x)
-            assert out.shape == (batch, 10)
-            assert torch.equal(out, model(x))
+        assert probe(torch.randn(batch, 784)).shape == (batch, 10)
     stats = session.stats()
     assert stats["graphs_uploaded"] == 1
     assert stats["tensors_uploaded"] == 4
@@ -123,20 +107,16 @@ def test_dynamic_shapes_share_one_graph(session):
 
 def test_in_place_parameter_change_is_uploaded(session):
     torch.manual_seed(5)
-    model = models.mlp().eval()
-    compiled = compile_remote(model, session)
-    x = torch.randn(8, 784)
+    model = models.mlp()
+    probe = Probe(session, model, torch.randn(8, 784))
+    probe()
+    uploaded = session.stats()["tensors_uploaded"]
     with torch.no_grad():
-        assert torch.equal(compiled(x), model(x))
-        uploaded = session.stats()["tensors_uploaded"]
         model[0].weight.add_(1.0)
-        expected = model(x)
-        out = compiled(x)
-    assert torch.equal(out, expected)
+    probe()  # the changed weight is used
     assert session.stats()["tensors_uploaded"] == uploaded + 1  # only the changed weight
     assert session.stats()["graphs_uploaded"] == 1
-    with torch.no_grad():  # and the new content stays resident
-        assert torch.equal(compiled(x), expected)
+    probe()  # and the new content stays resident
     assert session.stats()["tensors_uploaded"] == uploaded + 1
 
 

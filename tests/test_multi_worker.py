@@ -8,24 +8,20 @@ import torch
 import remotorch
 from remotorch import errors
 
-from conftest import TOKEN, spawn_server
+from conftest import TOKEN
 
 OTHER_TOKEN = "another-token-9876543210"
 
 
 @pytest.fixture(scope="module")
-def gpu0():
+def gpu0(start_module_server):
     """A second worker, named gpu0, with a price and its own token."""
-    srv = spawn_server(token=OTHER_TOKEN, name="gpu0", extra_args=("--price-per-hour", "3.6"))
-    yield srv
-    srv.stop()
+    return start_module_server(token=OTHER_TOKEN, name="gpu0", extra_args=("--price-per-hour", "3.6"))
 
 
 @pytest.fixture
-def two(server, gpu0):
-    s = remotorch.Session([server.url, gpu0.url], token=TOKEN, tokens={gpu0.url: OTHER_TOKEN})
-    yield s
-    s.close()
+def two(session_for, server, gpu0):
+    return session_for(server, gpu0, tokens={gpu0.url: OTHER_TOKEN})
 
 
 def test_workers_are_named_and_offer_backends(two, server, gpu0):

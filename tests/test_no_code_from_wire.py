@@ -21,13 +21,13 @@ import msgspec
 import pytest
 import torch
 
-import remotorch
 from remotorch.codec import messages as m
 from remotorch.codec.graph import decode_graph, graph_id
 from remotorch.codec.tensors import content_id, tensor_to_wire
 from remotorch.transport import TcpTransport
 
 from conftest import TOKEN, clean_env
+from helpers import assert_still_serves
 
 
 class _OpenOnUnpickle:
@@ -205,7 +205,7 @@ def test_evil_graph_documents_are_refused(transport, marker, session):
     # only documents whose payload sits in a string argument of an allowed op may decode
     # ($dev decodes to the worker's own device whatever it says)
     assert all(n.startswith(("kwarg-value-", "arg-", "tag$dev-")) for n in accepted), accepted
-    assert_still_serving(session)
+    assert_still_serves(session)
 
 
 def test_evil_message_headers_are_refused(transport, marker, session):
@@ -227,7 +227,7 @@ def test_evil_message_headers_are_refused(transport, marker, session):
             reply, _ = ask(transport, msgspec.msgpack.encode([m.PROTOCOL_VERSION, {"type": "health", **extra}]))
             assert isinstance(reply, m.HealthReply)
     assert not os.path.exists(marker)
-    assert_still_serving(session)
+    assert_still_serves(session)
 
 
 def test_evil_ids_and_engine_names_are_refused(transport, marker, session):
@@ -244,7 +244,7 @@ def test_evil_ids_and_engine_names_are_refused(transport, marker, session):
             reply, _ = ask(transport, body, [x_buf])
             assert isinstance(reply, m.ErrorReply), (s, body)
             assert not os.path.exists(marker)
-    assert_still_serving(session)
+    assert_still_serves(session)
 
 
 def test_evil_dtype_names_in_tensor_metas_are_refused(transport, marker, session):
@@ -265,7 +265,7 @@ def test_evil_dtype_names_in_tensor_metas_are_refused(transport, marker, session
         reply, _ = ask(transport, m.PutGraph(graph_id(cdoc, [meta], [frame]), cdoc, [meta]), [frame])
         assert isinstance(reply, m.ErrorReply), reply
         assert not os.path.exists(marker)
-    assert_still_serving(session)
+    assert_still_serves(session)
 
 
 def test_evil_tensor_frames_are_only_data(transport, marker, session):
@@ -291,7 +291,7 @@ def test_evil_tensor_frames_are_only_data(transport, marker, session):
         reply, frames = ask(transport, m.Echo(), [blob])
         assert isinstance(reply, m.EchoReply) and bytes(frames[0]) == blob
         assert not os.path.exists(marker), name
-    assert_still_serving(session)
+    assert_still_serves(session)
 
 
 def test_evil_graph_constants_are_only_data(transport, marker, session):
@@ -304,18 +304,7 @@ def test_evil_graph_constants_are_only_data(transport, marker, session):
     assert isinstance(reply, m.RunReply)
     assert bytes(frames[0]) == blob
     assert not os.path.exists(marker)
-    assert_still_serving(session)
-
-
-def assert_still_serving(session) -> None:
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).eval()
-    compiled = remotorch.compile(model, session=session, fallback="raise")
-    x = torch.randn(3, 6)
-    with torch.no_grad():
-        assert torch.equal(compiled(x), model(x))
-    assert session.health()["name"] == "test"
+    assert_still_serves(session)
 
 
 def test_evil_session_ids_are_refused(transport, marker, session):
@@ -327,4 +316,4 @@ def test_evil_session_ids_are_refused(transport, marker, session):
         reply, _ = ask(transport, header)
         assert isinstance(reply, m.ErrorReply) and reply.kind == "protocol"
     assert not os.path.exists(marker)
-    assert_still_serving(session)
+    assert_still_serves(session)

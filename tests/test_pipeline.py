@@ -57,21 +57,13 @@ def mse(out, target):
 
 
 @pytest.fixture(scope="module")
-def two_workers():
-    from conftest import spawn_server
-    servers = [spawn_server(name=f"stage{i}") for i in range(2)]
-    yield servers
-    for s in servers:
-        s.stop()
+def two_workers(start_module_server):
+    return [start_module_server(name=f"stage{i}") for i in range(2)]
 
 
 @pytest.fixture
-def pair(two_workers):
-    s = remotorch.Session([w.url for w in two_workers], token=TOKEN)
-    yield s
-    s.close()
-    for w in two_workers:
-        assert w.alive(), w.stderr_text()[-3000:]
+def pair(session_for, two_workers):
+    return session_for(*two_workers)
 
 
 def train_both(model, split_before, session, *, schedule, steps=3, microbatches=4, batch=8, loss_fn=mse,

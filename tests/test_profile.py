@@ -18,32 +18,26 @@ import remotorch
 from remotorch import errors, models
 from remotorch.errors import RemoteFallbackWarning
 
-from conftest import TOKEN, spawn_server
+from conftest import TOKEN
 
 SLEEP = 0.03
 PRICE = 2.5  # $/hour of gpu0: not 3.6, the ms-per-hour constant, so a swap of the two shows
 
 
 @pytest.fixture(scope="module")
-def gpu0():
-    srv = spawn_server(token=TOKEN, name="gpu0", extra_args=("--price-per-hour", str(PRICE)))
-    yield srv
-    srv.stop()
+def gpu0(start_module_server):
+    return start_module_server(name="gpu0", extra_args=("--price-per-hour", str(PRICE)))
 
 
 @pytest.fixture(scope="module")
-def flaky():
+def flaky(start_module_server):
     """A worker that also offers the failing engine (a debugging aid)."""
-    srv = spawn_server(token=TOKEN, name="flaky", extra_args=("--engines", "eager,failing"))
-    yield srv
-    srv.stop()
+    return start_module_server(name="flaky", extra_args=("--engines", "eager,failing"))
 
 
 @pytest.fixture
-def two(server, gpu0):
-    s = remotorch.Session([server.url, gpu0.url], token=TOKEN)
-    yield s
-    s.close()
+def two(session_for, server, gpu0):
+    return session_for(server, gpu0)
 
 
 def mlp_fn():

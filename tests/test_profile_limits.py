@@ -21,17 +21,15 @@ from remotorch.worker import engines
 from remotorch.worker.service import Service
 from remotorch.worker.worker import Limits, Worker
 
-from conftest import TOKEN, spawn_server
+from conftest import TOKEN
 from profile_helpers import capture_graph
 
 TIMEOUT_S = 0.5
 
 
 @pytest.fixture(scope="module")
-def timed_worker():
-    srv = spawn_server(name="timed", extra_args=("--request-timeout", str(TIMEOUT_S)))
-    yield srv
-    srv.stop()
+def timed_worker(start_module_server):
+    return start_module_server(name="timed", extra_args=("--request-timeout", str(TIMEOUT_S)))
 
 
 def chain(x):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -20,6 +21,7 @@ from remotorch.transport import TcpTransport
 from remotorch.transport import framing, handshake
 
 from conftest import TOKEN
+from helpers import Probe, assert_still_serves, tiny_mlp
 
 PROTOCOL = m.PROTOCOL_VERSION
 
@@ -108,20 +110,45 @@ def client_refuses_server(server) -> None:
             handshake.client_handshake(sock, b"another token", PROTOCOL)
 
 
-def garbage_after_auth(server) -> None:
-    sock, key = authenticated(server)
-    with sock:
-        sock.sendall(b"XXXX" + os.urandom(200))
-        reply, _ = read_reply(sock, key)
-        assert isinstance(reply, m.ErrorReply) and reply.kind == "protocol"
-        assert recv_until_closed(sock) == b""
+def refused_after_auth(name: str, message: Callable[[bytes], bytes]) -> Callable:
+    """The abuse: after a good handshake, ``message(key)``; the worker answers it with a protocol
+    error, then closes the connection."""
+
+    def abuse(server) -> None:
+        sock, key = authenticated(server)
+        with sock:
+            sock.sendall(message(key))
+            reply, _ = read_reply(sock, key)
+            assert isinstance(reply, m.ErrorReply) and reply.kind == "protocol"
+            assert recv_until_closed(sock) == b""
+
+    abuse.__name__ = name
+    return abuse
 
 
-def bad_mac_after_auth(server) -> None:
-    sock, _ = authenticated(server)
-    with sock:
-        sock.sendall(framed(os.urandom(32), 0, m.encode(m.Health())))
-        assert recv_until_closed(sock) == b""  # closed without an answer
+def dropped_after_auth(name: str, *messages: Callable[[bytes], bytes]) -> Callable:
+    """The abuse: after a good handshake (a new connection for each), each of ``messages(key)``; the
+    worker closes the connection without an answer."""
+
+    def abuse(server) -> None:
+        for message in messages:
+            sock, key = authenticated(server)
+            with sock:
+                sock.sendall(message(key))
+                assert recv_until_closed(sock) == b""
+
+    abuse.__name__ = name
+    return abuse
+
+
+garbage_after_auth = refused_after_auth("garbage_after_auth", lambda key: b"XXXX" + os.urandom(200))
+oversized_frame_claim = refused_after_auth("oversized_frame_claim", lambda key: (
+    struct.pack("<4sQI", framing.MAGIC, 0, 2) + struct.pack("<2Q", 10, 1 << 62) + os.urandom(framing.MAC_SIZE)))
+zero_frames_claim = refused_after_auth("zero_frames_claim", lambda key: struct.pack("<4sQI", framing.MAGIC, 0, 0))
+too_many_frames_claim = refused_after_auth("too_many_frames_claim", lambda key: (
+    struct.pack("<4sQI", framing.MAGIC, 0, framing.MAX_FRAMES + 1)))
+bad_mac_after_auth = dropped_after_auth(  # a message MAC'd with another key
+    "bad_mac_after_auth", lambda key: framed(os.urandom(32), 0, m.encode(m.Health())))
 
 
 def replayed_message(server) -> None:
@@ -135,57 +162,25 @@ def replayed_message(server) -> None:
         assert recv_until_closed(sock) == b""
 
 
-def oversized_frame_claim(server) -> None:
-    sock, key = authenticated(server)
-    with sock:
-        fixed = struct.pack("<4sQI", framing.MAGIC, 0, 2) + struct.pack("<2Q", 10, 1 << 62)
-        sock.sendall(fixed + os.urandom(framing.MAC_SIZE))
-        reply, _ = read_reply(sock, key)
-        assert isinstance(reply, m.ErrorReply) and reply.kind == "protocol"
-        assert recv_until_closed(sock) == b""
+def flipped(index: int, body, frames: tuple = ()) -> Callable[[bytes], bytes]:
+    """A correctly MAC'd message with the byte at ``index`` changed in flight."""
+
+    def message(key: bytes) -> bytes:
+        data = bytearray(framed(key, 0, m.encode(body), frames))
+        data[index] ^= 0x01
+        return bytes(data)
+
+    return message
 
 
-def zero_frames_claim(server) -> None:
-    sock, key = authenticated(server)
-    with sock:
-        sock.sendall(struct.pack("<4sQI", framing.MAGIC, 0, 0))
-        reply, _ = read_reply(sock, key)
-        assert isinstance(reply, m.ErrorReply) and reply.kind == "protocol"
-        assert recv_until_closed(sock) == b""
-
-
-def too_many_frames_claim(server) -> None:
-    sock, key = authenticated(server)
-    with sock:
-        sock.sendall(struct.pack("<4sQI", framing.MAGIC, 0, framing.MAX_FRAMES + 1))
-        reply, _ = read_reply(sock, key)
-        assert isinstance(reply, m.ErrorReply) and reply.kind == "protocol"
-        assert recv_until_closed(sock) == b""
-
-
-def altered_header_after_auth(server) -> None:
-    """A correctly MAC'd message whose frame 0 was changed in flight is dropped unanswered."""
-    sock, key = authenticated(server)
-    with sock:
-        message = bytearray(framed(key, 0, m.encode(m.Health())))
-        message[24] ^= 0x01  # first byte of frame 0, after the 16-byte fixed part and one length
-        sock.sendall(bytes(message))
-        assert recv_until_closed(sock) == b""
-
-
-def altered_buffer_frame_after_auth(server) -> None:
-    """Tensor bytes changed in flight (header intact) fail the MAC: dropped unanswered.
-
-    Both ways of covering buffer frames are tried: inside the HMAC (small
-    frames) and through the Poly1305 tag (large frames).
-    """
-    for size in (1000, framing.INLINE_MAC + 1):
-        sock, key = authenticated(server)
-        with sock:
-            message = bytearray(framed(key, 0, m.encode(m.Echo()), (b"\x00" * size,)))
-            message[-(framing.MAC_SIZE + 10)] ^= 0x01  # a byte of the frame
-            sock.sendall(bytes(message))
-            assert recv_until_closed(sock) == b""
+# A correctly MAC'd message whose frame 0 was changed in flight is dropped unanswered
+# (first byte of frame 0, after the 16-byte fixed part and one length).
+altered_header_after_auth = dropped_after_auth("altered_header_after_auth", flipped(24, m.Health()))
+# Tensor bytes changed in flight (header intact) fail the MAC: dropped unanswered. Both ways of
+# covering buffer frames are tried: inside the HMAC (small frames) and through the Poly1305 tag
+# (large frames).
+altered_buffer_frame_after_auth = dropped_after_auth("altered_buffer_frame_after_auth", *(
+    flipped(-(framing.MAC_SIZE + 10), m.Echo(), (b"\x00" * size,)) for size in (1000, framing.INLINE_MAC + 1)))
 
 
 def truncated_message(server) -> None:
@@ -209,28 +204,19 @@ ABUSES = [random_bytes, connect_and_close, partial_hello, hello_with_wrong_proof
 
 
 @pytest.fixture
-def check_serving(session):
-    """A compiled model on the shared server; calling the fixture checks a correct answer."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3)).eval()
-    compiled = remotorch.compile(model, session=session, fallback="raise")
-
-    def check() -> None:
-        x = torch.randn(5, 12)
-        with torch.no_grad():
-            assert torch.equal(compiled(x), model(x))
-
-    check()
-    return check
+def probe(session):
+    """A compiled model on the shared server, checked once: each call checks a correct answer (a fresh input)."""
+    p = Probe(session, tiny_mlp(12, 24, 3, act=torch.nn.Tanh), lambda: torch.randn(5, 12))
+    p()
+    return p
 
 
 @pytest.mark.parametrize("abuse", ABUSES, ids=[a.__name__ for a in ABUSES])
-def test_worker_survives(server, check_serving, make_session, abuse):
+def test_worker_survives(server, probe, make_session, abuse):
     abuse(server)
     try:
-        check_serving()  # the session that was open before
-        other = make_session()  # and a brand-new connection
-        assert other.health()["name"] == "test"
+        # the session that was open before, and a brand-new connection
+        assert_still_serves(make_session(), probe=probe, server=server)
     finally:
         sock = getattr(abuse, "sock", None)
         if sock is not None:
@@ -302,7 +288,7 @@ def test_requests_that_do_not_fit_get_typed_errors(session, server):
         assert isinstance(reply, m.EchoReply)
     finally:
         transport.close()
-    assert session.health()["name"] == "test"
+    assert_still_serves(session)
 
 
 def test_wrong_argument_count_and_dtype_are_invalid_requests(session, server):

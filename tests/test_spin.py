@@ -20,7 +20,7 @@ import torch
 import remotorch
 from remotorch import models
 
-from conftest import TOKEN, clean_env, spawn_server
+from conftest import TOKEN, clean_env
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -29,10 +29,8 @@ def _cpu_seconds(pid: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def spinning_server():
-    server = spawn_server(extra_args=("--spin-us", "3000"))
-    yield server
-    server.stop()
+def spinning_server(start_module_server):
+    return start_module_server(extra_args=("--spin-us", "3000"))
 
 
 def test_spinning_ends_give_exact_results(spinning_server):
@@ -94,11 +92,9 @@ HOLD = 0.6  # a call the worker holds for longer than the window
 
 
 @pytest.fixture(scope="module")
-def wide_spinner():
-    server = spawn_server(name="wide", extra_args=("--spin-us", f"{WINDOW * 1e6:g}",
-                                                    "--engines", f"eager,hold:{HOLD:g}"))
-    yield server
-    server.stop()
+def wide_spinner(start_module_server):
+    return start_module_server(name="wide", extra_args=("--spin-us", f"{WINDOW * 1e6:g}",
+                                                        "--engines", f"eager,hold:{HOLD:g}"))
 
 
 def test_a_worker_spins_for_its_window_after_each_request_and_then_sleeps(wide_spinner):

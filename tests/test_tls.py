@@ -11,7 +11,7 @@ import torch
 import remotorch
 from remotorch import errors
 
-from conftest import TOKEN, clean_env, spawn_server
+from conftest import TOKEN, clean_env
 from tcp_tap import Tap
 from tls_certs import self_signed
 
@@ -25,11 +25,9 @@ def certs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tls_server(certs):
+def tls_server(start_module_server, certs):
     crt, key = certs["worker"]
-    srv = spawn_server(name="tls", extra_args=("--tls-cert", crt, "--tls-key", key))
-    yield srv
-    srv.stop()
+    return start_module_server(name="tls", extra_args=("--tls-cert", crt, "--tls-key", key))
 
 
 def marker_tensor() -> torch.Tensor:

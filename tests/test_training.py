@@ -49,43 +49,47 @@ def mlp_batch(n=32):
     return torch.randn(n, 784), torch.randint(0, 10, (n,))
 
 
-def train_side_by_side(step, reference_loss, optimizers, batches, after_each=None) -> None:
-    """For each batch: the remote step and the local reference, backward both; then every
-    optimizer steps and zeroes its gradients (then ``after_each()``: e.g. lr schedulers)."""
+def train_side_by_side(step, reference_loss, optimizers, batches, between=None, after_each=None) -> list:
+    """For each batch: the remote step and the local reference, backward both; then ``between()``
+    (e.g. clip and compare gradient norms); then every optimizer steps and zeroes its gradients;
+    then ``after_each()`` (e.g. lr schedulers). Returns the (remote, reference) losses."""
+    losses = []
     for x, y in batches:
-        step(x, y).backward()
-        reference_loss(x, y).backward()
+        loss, ref_loss = step(x, y), reference_loss(x, y)
+        loss.backward()
+        ref_loss.backward()
+        if between is not None:
+            between()
         for o in optimizers:
             o.step()
             o.zero_grad()
         if after_each is not None:
             after_each()
+        losses.append((loss, ref_loss))
+    return losses
 
 
 def block_batch(n=4):
     return torch.randn(n, 16, 64), torch.randn(n, 16, 64)
 
 
+def remote_and_reference(model, loss_of, session, opt_cls=torch.optim.AdamW, groups=None, dynamic=None, **hyper):
+    """What training ``model`` on ``session`` next to a local reference takes: the reference (a copy
+    of ``model``), the remote step (``loss_of(model)`` compiled), a RemoteOptimizer for the model
+    and an ``opt_cls`` for the reference, both with ``hyper`` (and ``groups(m)``: parameter groups,
+    instead of all the parameters)."""
+    params = groups or (lambda m: m.parameters())
+    reference = copy.deepcopy(model)
+    step = compile_remote(loss_of(model), session, dynamic=dynamic)
+    return (reference, step, RemoteOptimizer(opt_cls, params(model), session=session, **hyper),
+            opt_cls(params(reference), **hyper))
+
+
 def train_pair(model, loss_of, batch, session, steps, opt_cls=torch.optim.AdamW, **hyper):
     """Train ``model`` remotely and a copy locally on the same batches; both, and the losses."""
-    reference = copy.deepcopy(model)
-    step_remote = compile_remote(loss_of(model), session)
-    step_local = loss_of(reference)
-    opt = RemoteOptimizer(opt_cls, model.parameters(), session=session, **hyper)
-    ref_opt = opt_cls(reference.parameters(), **hyper)
-    losses = []
-    for _ in range(steps):
-        x, y = batch()
-        loss = step_remote(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_loss = step_local(x, y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        losses.append((loss.item(), ref_loss.item()))
-    return reference, opt, losses
+    reference, step, opt, ref_opt = remote_and_reference(model, loss_of, session, opt_cls, **hyper)
+    losses = train_side_by_side(step, loss_of(reference), (opt, ref_opt), (batch() for _ in range(steps)))
+    return reference, opt, [(loss.item(), ref_loss.item()) for loss, ref_loss in losses]
 
 
 def assert_same_parameters(model, reference, **tol):
@@ -141,15 +145,12 @@ def test_other_torch_optim_classes_match_local(session, opt_cls, hyper):
 def test_parameter_groups_with_their_own_hyperparameters(session):
     torch.manual_seed(21)
     model = models.mlp()
-    reference = copy.deepcopy(model)
 
     def groups(m):
         return [{"params": m[0].parameters(), "lr": 0.05, "weight_decay": 0.01},
                 {"params": m[2].parameters()}]
-    step = compile_remote(classifier_loss(model), session)
-    opt = remotorch.optim.RemoteOptimizer(torch.optim.SGD, groups(model), session=session, lr=0.2,
-                                          momentum=0.5)
-    ref_opt = torch.optim.SGD(groups(reference), lr=0.2, momentum=0.5)
+    reference, step, opt, ref_opt = remote_and_reference(model, classifier_loss, session, torch.optim.SGD, groups,
+                                                         lr=0.2, momentum=0.5)
     assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups] == [0.05, 0.2]
     train_side_by_side(step, classifier_loss(reference), (opt, ref_opt), (mlp_batch(8) for _ in range(3)))
     session.pull(model)
@@ -159,10 +160,7 @@ def test_parameter_groups_with_their_own_hyperparameters(session):
 def test_dynamic_shapes_training_saves_sizes_and_tensors(session):
     torch.manual_seed(24)
     model = models.TransformerBlock()
-    reference = copy.deepcopy(model)
-    step = compile_remote(regression_loss(model), session, dynamic=True)
-    opt = RemoteOptimizer(torch.optim.AdamW, model.parameters(), session=session, lr=1e-3)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    reference, step, opt, ref_opt = remote_and_reference(model, regression_loss, session, dynamic=True, lr=1e-3)
     # one forward/backward pair serves every batch size
     train_side_by_side(step, regression_loss(reference), (opt, ref_opt), (block_batch(n) for n in (2, 3, 5)))
     assert session.stats()["graphs_uploaded"] == 2
@@ -242,10 +240,8 @@ def test_worker_memory_is_flat_over_1000_steps(start_server, make_session):
 def test_lr_schedulers_drive_the_worker_optimizer(session):
     torch.manual_seed(6)
     model = models.mlp()
-    reference = copy.deepcopy(model)
-    step = compile_remote(classifier_loss(model), session)
-    opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), session=session, lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    reference, step, opt, ref_opt = remote_and_reference(model, classifier_loss, session, torch.optim.SGD,
+                                                         lr=0.1, momentum=0.9)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (opt, ref_opt)]
     warm = [torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + e)) for o in (opt, ref_opt)]
     train_side_by_side(step, classifier_loss(reference), (opt, ref_opt), (mlp_batch(8) for _ in range(6)),
@@ -259,23 +255,17 @@ def test_lr_schedulers_drive_the_worker_optimizer(session):
 def test_clip_grad_norm_on_the_worker(session):
     torch.manual_seed(7)
     model = models.mlp()
-    reference = copy.deepcopy(model)
-    step = compile_remote(classifier_loss(model), session)
-    opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), session=session, lr=0.5)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
-    for _ in range(2):
-        x, y = mlp_batch(8)
-        step(x, y).backward()
-        classifier_loss(reference)(x, y).backward()
+    reference, step, opt, ref_opt = remote_and_reference(model, classifier_loss, session, torch.optim.SGD, lr=0.5)
+
+    def clip_both():
         norm = opt.clip_grad_norm_(0.05)
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
         assert isinstance(norm, torch.Tensor)
         torch.testing.assert_close(norm, ref_norm)
         assert norm.item() > 0.05  # so the clipping did something
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+
+    train_side_by_side(step, classifier_loss(reference), (opt, ref_opt), (mlp_batch(8) for _ in range(2)),
+                       between=clip_both)
     session.pull(model)
     assert_same_parameters(model, reference)
 
@@ -306,12 +296,18 @@ def test_training_across_a_graph_break_matches_local(session):
     assert_same_parameters(model, reference)
 
 
-def test_gradients_accumulate_with_pytorch_semantics_and_input_grads_come_back(session):
-    torch.manual_seed(9)
+def mlp_bound_to_the_worker(session, seed):
+    """A seeded MLP, its local copy, the MLP compiled on ``session``, and a RemoteOptimizer (never stepped)
+    that binds its parameters to the worker: gradients accumulate there. Keep the optimizer alive."""
+    torch.manual_seed(seed)
     model = models.mlp()
     reference = copy.deepcopy(model)
-    compiled = compile_remote(model, session)
-    opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), session=session, lr=0.1)  # noqa: F841
+    opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), session=session, lr=0.1)
+    return model, reference, compile_remote(model, session), opt
+
+
+def test_gradients_accumulate_with_pytorch_semantics_and_input_grads_come_back(session):
+    model, reference, compiled, _opt = mlp_bound_to_the_worker(session, 9)
     xs = [torch.randn(4, 784, requires_grad=True) for _ in range(2)]
     ref_xs = [x.detach().clone().requires_grad_() for x in xs]
     for x, rx in zip(xs, ref_xs):  # two backward passes, no zero_grad: gradients add up
@@ -324,11 +320,7 @@ def test_gradients_accumulate_with_pytorch_semantics_and_input_grads_come_back(s
 
 
 def test_autograd_grad_returns_gradients_even_with_an_optimizer_on_the_worker(session):
-    torch.manual_seed(28)
-    model = models.mlp()
-    reference = copy.deepcopy(model)
-    compiled = compile_remote(model, session)
-    opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), session=session, lr=0.1)  # noqa: F841
+    model, reference, compiled, _opt = mlp_bound_to_the_worker(session, 28)
     x = torch.randn(4, 784)
     grads = torch.autograd.grad(compiled(x).pow(2).sum(), list(model.parameters()))
     ref_grads = torch.autograd.grad(reference(x).pow(2).sum(), list(reference.parameters()))
@@ -344,12 +336,9 @@ def test_autograd_grad_returns_gradients_even_with_an_optimizer_on_the_worker(se
 
 
 def test_retain_graph_allows_a_second_backward(session):
-    torch.manual_seed(10)
-    model = models.mlp()
-    reference = copy.deepcopy(model)
+    model, reference, compiled, _opt = mlp_bound_to_the_worker(session, 10)
     x = torch.randn(4, 784)
-    opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), session=session, lr=0.1)  # noqa: F841
-    loss = compile_remote(model, session)(x).pow(2).sum()
+    loss = compiled(x).pow(2).sum()
     ref_loss = reference(x).pow(2).sum()
     for _ in range(2):
         loss.backward(retain_graph=True)
@@ -370,15 +359,11 @@ def test_parameters_used_by_local_code_get_their_gradients_and_new_values(sessio
     compiled = compile_remote(model, session)
     opt = RemoteOptimizer(torch.optim.SGD, [*model.parameters(), scale], session=session, lr=0.1)
     ref_opt = torch.optim.SGD([*reference.parameters(), ref_scale], lr=0.1)
-    for _ in range(3):
-        x, y = mlp_batch(8)
-        (F.cross_entropy(compiled(x), y) * scale).backward()  # scale is used only here, locally
-        (F.cross_entropy(reference(x), y) * ref_scale).backward()
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        torch.testing.assert_close(scale, ref_scale)  # brought back after each step: local code uses it
+    train_side_by_side(lambda x, y: F.cross_entropy(compiled(x), y) * scale,  # scale is used only here, locally
+                       lambda x, y: F.cross_entropy(reference(x), y) * ref_scale, (opt, ref_opt),
+                       (mlp_batch(8) for _ in range(3)),
+                       # brought back after each step: local code uses it
+                       after_each=lambda: torch.testing.assert_close(scale, ref_scale))
     session.pull(model)
     assert_same_parameters(model, reference)
 
@@ -389,14 +374,13 @@ def test_without_a_remote_optimizer_gradients_come_back_for_a_local_one(session)
     reference = copy.deepcopy(model)
     step = compile_remote(classifier_loss(model), session)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)]
-    for _ in range(3):  # a local optimizer: gradients come back, updated weights go up again
-        x, y = mlp_batch(8)
-        step(x, y).backward()
-        classifier_loss(reference)(x, y).backward()
+
+    def gradients_came_back():
         assert all(p.grad is not None for p in model.parameters())
-        for o in opts:
-            o.step()
-            o.zero_grad()
+
+    # a local optimizer: gradients come back, updated weights go up again
+    train_side_by_side(step, classifier_loss(reference), opts, (mlp_batch(8) for _ in range(3)),
+                       between=gradients_came_back)
     assert_same_parameters(model, reference)
     # a RemoteOptimizer created after a backward takes the local gradients along
     x, y = mlp_batch(8)
@@ -513,28 +497,28 @@ def test_optimizer_state_dict_round_trips_through_a_checkpoint(make_session):
 def test_autocast_bfloat16_training_matches_local(session):
     torch.manual_seed(15)
     model = models.mlp()
-    reference = copy.deepcopy(model)
-    step = compile_remote(classifier_loss(model), session)
-    opt = RemoteOptimizer(torch.optim.AdamW, model.parameters(), session=session, lr=1e-3)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    for _ in range(3):
-        x, y = mlp_batch(16)
+    reference, step, opt, ref_opt = remote_and_reference(model, classifier_loss, session, lr=1e-3)
+    fp32_losses = []
+
+    def in_bf16(loss_fn):
+        def autocast_loss(x, y):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return loss_fn(x, y)
+        return autocast_loss
+
+    def reference_in_bf16(x, y):
         with torch.no_grad():
-            fp32_loss = classifier_loss(reference)(x, y)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = step(x, y)
-            ref_loss = classifier_loss(reference)(x, y)
+            fp32_losses.append(classifier_loss(reference)(x, y))
+        return in_bf16(classifier_loss(reference))(x, y)
+
+    losses = train_side_by_side(in_bf16(step), reference_in_bf16, (opt, ref_opt), (mlp_batch(16) for _ in range(3)))
+    assert len(losses) == len(fp32_losses) == 3
+    for (loss, ref_loss), fp32_loss in zip(losses, fp32_losses):
         assert loss.dtype == ref_loss.dtype == torch.float32
         # the worker ran the bf16 kernels local autocast runs: the same loss to the bit, which
         # the fp32 loss is not (they differ by 1e-4 to 3e-4, inside any tolerance wide enough for bf16)
         assert torch.equal(loss, ref_loss)
         assert not torch.equal(ref_loss, fp32_loss)
-        loss.backward()
-        ref_loss.backward()
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
     session.pull(model)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert_same_parameters(model, reference)

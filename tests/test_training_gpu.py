@@ -17,17 +17,15 @@ from remotorch import models
 from remotorch.optim import RemoteOptimizer
 from remotorch.training.client import training_client
 
-from conftest import TOKEN, spawn_server
+from conftest import TOKEN
+from helpers import NEEDS_CUDA
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = NEEDS_CUDA
 
 
 @pytest.fixture(scope="module")
-def cuda_server():
-    srv = spawn_server(token=TOKEN, name="gpu-train", extra_args=("--device", "cuda"))
-    yield srv
-    srv.stop()
+def cuda_server(start_module_server):
+    return start_module_server(name="gpu-train", extra_args=("--device", "cuda"))
 
 
 def test_adamw_on_a_cuda_worker_matches_local_cpu_and_holds_memory_flat(cuda_server):

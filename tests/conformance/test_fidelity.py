@@ -27,6 +27,7 @@ from remotorch.errors import RemoteError, UnsupportedGraphError, WorkerUnavailab
 from remotorch.optim import RemoteOptimizer
 
 from conftest import TOKEN, clean_env
+from helpers import train_steps
 
 # the zoo's aot_eager references start computing in a second process while these tests run
 pytestmark = pytest.mark.usefixtures("zoo_references")
@@ -39,6 +40,14 @@ def mlp() -> torch.nn.Module:
 
 def aot_eager(fn, **kwargs):
     return torch.compile(fn, backend="aot_eager", **kwargs)
+
+
+def assert_same_parameters(got, want) -> None:
+    """Trained parameters (two iterables in the same order) agree within training's tolerance."""
+    got, want = list(got), list(want)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
 # ----------------------------------------------------------------- 1. values outlive their session
@@ -118,19 +127,13 @@ def test_trained_parameters_buffers_and_optimizer_state_outlive_the_session(serv
     x = torch.randn(4, 3, 8, 8)
     reference = cnn()
     compiled_ref, local_opt = aot_eager(reference), torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    for _ in range(2):
-        compiled_ref(x).square().mean().backward()
-        local_opt.step()
-        local_opt.zero_grad()
+    train_steps(lambda: compiled_ref(x).square().mean(), local_opt)
 
     model = cnn()
     with remotorch.Session(server.url, token=TOKEN) as session:
         compiled = remotorch.compile(model, session=session, fallback="raise")
         opt = RemoteOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-2, session=session)
-        for _ in range(2):
-            compiled(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        train_steps(lambda: compiled(x).square().mean(), opt)
     # after the block: the model holds what the worker trained, BatchNorm's running stats too
     for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values()):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
@@ -141,18 +144,11 @@ def test_trained_parameters_buffers_and_optimizer_state_outlive_the_session(serv
             torch.testing.assert_close(state[i][key], want_state[i][key], rtol=1e-4, atol=1e-6)
 
     # training goes on in a new session, from that state, as if nothing had closed
-    for _ in range(2):
-        compiled_ref(x).square().mean().backward()
-        local_opt.step()
-        local_opt.zero_grad()
+    train_steps(lambda: compiled_ref(x).square().mean(), local_opt)
     with remotorch.Session(server.url, token=TOKEN) as again:
         compiled = remotorch.compile(model, session=again, fallback="raise")
-        for _ in range(2):
-            compiled(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-    for got, want in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        train_steps(lambda: compiled(x).square().mean(), opt)
+    assert_same_parameters(model.parameters(), reference.parameters())
 
 
 def test_the_default_session_fetches_nothing_at_interpreter_exit(tmp_path):
@@ -196,27 +192,14 @@ def test_training_with_labels_equals_aot_eager(server, name):
     ids = spec.inputs()["input_ids"]
     reference, model = spec.build().train(), spec.build().train()
     compiled_ref, local_opt = aot_eager(reference), torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    want = []
-    for _ in range(2):
-        loss = compiled_ref(ids, labels=ids).loss
-        loss.backward()
-        local_opt.step()
-        local_opt.zero_grad()
-        want.append(loss.item())
+    want = torch.stack(train_steps(lambda: compiled_ref(ids, labels=ids).loss, local_opt))
     with remotorch.Session(server.url, token=TOKEN) as session:
         compiled = remotorch.compile(model, session=session, fallback="raise")
         opt = RemoteOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3, session=session)
-        losses = []
-        for _ in range(2):
-            loss = compiled(ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss)
+        losses = train_steps(lambda: compiled(ids, labels=ids).loss, opt)
         assert session.stats()["fallbacks"] == 0
-    torch.testing.assert_close(torch.stack(losses).detach(), torch.tensor(want), rtol=1e-5, atol=1e-6)
-    for got, expected in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.stack(losses), want, rtol=1e-5, atol=1e-6)
+    assert_same_parameters(model.parameters(), reference.parameters())
 
 
 # ----------------------------------------------------------------- 3. activation checkpointing
@@ -236,18 +219,11 @@ def test_gpt2_with_gradient_checkpointing_trains_as_aot_eager(server):
             else:
                 compiled = remotorch.compile(model, session=session, fallback="raise")
                 opt = RemoteOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3, session=session)
-            losses = []
-            for _ in range(2):
-                loss = compiled(ids, labels=ids).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.detach())
+            losses = train_steps(lambda: compiled(ids, labels=ids).loss, opt)
         results.append((torch.stack(losses), [p.detach().clone() for p in model.parameters()]))
     (want_losses, want_params), (losses, params) = results
     torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
-    for got, expected in zip(params, want_params):
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert_same_parameters(params, want_params)
 
 
 class Block(torch.nn.Module):

@@ -21,6 +21,7 @@ from remotorch.devtools import conformance, zoo
 from remotorch.optim import RemoteOptimizer
 
 from conftest import TOKEN
+from helpers import train_steps
 
 # the zoo's aot_eager references start computing in a second process while these tests run
 pytestmark = pytest.mark.usefixtures("zoo_references")
@@ -73,16 +74,16 @@ def test_bf16_autocast_forward_and_training(server):
         model = spec.build().train()
         compiled, opt = compile(model), optimizer(model.parameters(), lr=1e-3)
         inputs = spec.inputs()
-        losses = []
-        for _ in range(2):
+        outs = []
+
+        def loss():
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = compiled(**inputs, labels=inputs["input_ids"])
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(out.loss.detach())
-        assert out.logits.dtype == torch.bfloat16
-        return {"losses": losses, "logits": out.logits, **dict(model.named_parameters())}
+                outs.append(compiled(**inputs, labels=inputs["input_ids"]))
+            return outs[-1].loss
+
+        losses = train_steps(loss, opt)
+        assert outs[-1].logits.dtype == torch.bfloat16
+        return {"losses": losses, "logits": outs[-1].logits, **dict(model.named_parameters())}
 
     reference, got = both(server, user_code)
     assert_same(reference, got, rtol=1e-2, atol=1e-3)
@@ -107,8 +108,7 @@ def test_gradient_accumulation(server):
             opt.zero_grad()
         return {"losses": losses, **dict(model.named_parameters())}
 
-    reference, got = both(server, user_code)
-    assert_same(reference, got, atol=conformance.PARAM_ATOL)
+    assert_same(*both(server, user_code), atol=conformance.PARAM_ATOL)
 
 
 def test_a_learning_rate_scheduler(server):
@@ -120,20 +120,17 @@ def test_a_learning_rate_scheduler(server):
         schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
         warm = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         inputs = spec.inputs()
-        losses, lrs = [], []
-        for _ in range(3):
-            loss = compiled(**inputs, **spec.labels(inputs)).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+        lrs = []
+
+        def after_step():
             schedule.step()
             warm.step()
-            losses.append(loss.detach())
             lrs.append(torch.tensor(opt.param_groups[0]["lr"]))
+
+        losses = train_steps(lambda: compiled(**inputs, **spec.labels(inputs)).loss, opt, 3, after_step)
         return {"losses": losses, "lrs": lrs, **dict(model.named_parameters())}
 
-    reference, got = both(server, user_code)
-    assert_same(reference, got, atol=conformance.PARAM_ATOL)
+    assert_same(*both(server, user_code), atol=conformance.PARAM_ATOL)
 
 
 def test_activation_checkpointing_on_a_decoder(server):
@@ -145,17 +142,10 @@ def test_activation_checkpointing_on_a_decoder(server):
         model.train()
         compiled, opt = compile(model), optimizer(model.parameters(), lr=1e-3)
         inputs = spec.inputs()
-        losses = []
-        for _ in range(2):
-            loss = compiled(**inputs, **spec.labels(inputs)).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
+        losses = train_steps(lambda: compiled(**inputs, **spec.labels(inputs)).loss, opt)
         return {"losses": losses, **dict(model.named_parameters())}
 
-    reference, got = both(server, user_code)
-    assert_same(reference, got, atol=conformance.PARAM_ATOL)
+    assert_same(*both(server, user_code), atol=conformance.PARAM_ATOL)
 
 
 def test_outputs_kept_in_a_list_and_read_much_later(server):

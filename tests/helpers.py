@@ -1,0 +1,82 @@
+"""Plain helpers shared by the test files (the fixtures are in conftest.py).
+
+Importable from every test folder as ``from helpers import ...``: pytest puts
+``tests/`` on ``sys.path`` when it loads ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import remotorch
+
+# pytestmark of the files that need a CUDA device (select them with ``-m gpu``)
+NEEDS_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def tiny_mlp(*sizes: int, act: type[torch.nn.Module] = torch.nn.ReLU, seed: int = 0) -> torch.nn.Sequential:
+    """``Linear`` layers through ``sizes`` (``act`` between them), initialised after ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for a, b in zip(sizes, sizes[1:]):
+        layers += [act(), torch.nn.Linear(a, b)] if layers else [torch.nn.Linear(a, b)]
+    return torch.nn.Sequential(*layers)
+
+
+class Probe:
+    """``model`` in eval mode and its ``remotorch.compile`` on ``session`` (``fallback="raise"`` unless
+    ``options`` say otherwise).
+
+    ``probe(x)`` runs both without gradients, asserts that the compiled answer is torch's own to the bit,
+    and returns it. ``x`` defaults to the input given here: a tensor, or a function that makes a fresh
+    one for each call.
+    """
+
+    def __init__(self, session, model: torch.nn.Module, x: torch.Tensor | Callable[[], torch.Tensor] | None = None,
+                 **options) -> None:
+        self.model = model.eval()
+        self.x = x
+        self.compiled = remotorch.compile(self.model, session=session, **{"fallback": "raise", **options})
+
+    def __call__(self, x: torch.Tensor | None = None) -> torch.Tensor:
+        if x is None:
+            x = self.x() if callable(self.x) else self.x
+        with torch.no_grad():
+            out = self.compiled(x)
+            assert torch.equal(out, self.model(x))
+        return out
+
+
+def assert_still_serves(session, *, name: str = "test", probe: Probe | None = None, server=None) -> None:
+    """The worker behind ``session`` kept serving after something bad was sent to it.
+
+    A compiled model gives torch's exact answer (``probe``, compiled on the worker before the bad
+    thing, or else a new small one on ``session``), the worker's health names it ``name``, and
+    ``server`` (its process, where given) is alive.
+    """
+    if probe is None:
+        torch._dynamo.reset()
+        probe = Probe(session, tiny_mlp(6, 8, 2), torch.randn(3, 6))
+    probe()
+    assert session.health()["name"] == name
+    if server is not None:
+        assert server.alive(), server.stderr_text()[-4000:]
+
+
+def train_steps(loss_of: Callable[[], torch.Tensor], opt, steps: int = 2,
+                after_step: Callable[[], object] | None = None) -> list[torch.Tensor]:
+    """``steps`` training steps: ``loss_of()`` backward, ``opt.step()``, ``opt.zero_grad()``, then
+    ``after_step()`` (e.g. lr schedulers). The losses, detached."""
+    losses = []
+    for _ in range(steps):
+        loss = loss_of()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if after_step is not None:
+            after_step()
+        losses.append(loss.detach())
+    return losses
