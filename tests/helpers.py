@@ -7,11 +7,14 @@ Importable from every test folder as ``from helpers import ...``: pytest puts
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
 import remotorch
+
+REPO = Path(__file__).resolve().parent.parent  # the repository's root (this file is tests/helpers.py)
 
 # pytestmark of the files that need a CUDA device (select them with ``-m gpu``)
 NEEDS_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "src" / "remotorch"
+from helpers import REPO
+
+PACKAGE = REPO / "src" / "remotorch"
 
 # part -> parts it must never import (directly or through a lazy or type-only import)
 FORBIDDEN = {

@@ -15,9 +15,10 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"
+from helpers import REPO
+
+SCRIPT = REPO / "benchmarks" / "peers.py"
 SYSTEMS = {"local", "floor", "floor compiled", "pickle/zmq", "torch RPC", "Ray", "remotorch tcp", "remotorch unix",
            "remotorch tcp spin"}
 MODELS = {"mlp", "block", "gpt2"}

@@ -1,7 +1,7 @@
-"""Hostile input: the decoders and the live worker loop against malformed messages.
+"""Hostile input: the live worker loop against malformed messages.
 
-In-process, hypothesis drives the envelope decoder, the graph decoder and the
-tensor view checks. Against a real worker, 10,000 seeded malformed requests
+(In process, the decoders get the same treatment: ``tests/unit/test_fuzz_decoders.py``.)
+Against a real worker, 10,000 seeded malformed requests
 (``remotorch.fuzz``) go over authenticated connections and 1,000 framing
 breakers over fresh ones, plus hypothesis-built envelopes: each must be
 answered with a typed error (or, for broken framing, a closed connection), no
@@ -25,11 +25,10 @@ import remotorch
 from remotorch import errors
 from remotorch.devtools import fuzz
 from remotorch.codec import messages as m
-from remotorch.codec.graph import decode_graph
-from remotorch.codec.tensors import tensor_from_wire
 from remotorch.transport import framing, handshake
 
 from conftest import TOKEN
+from fuzz_strategies import envelopes
 from helpers import Probe, assert_still_serves, tiny_mlp
 
 LIVE_MESSAGES = 10_000
@@ -37,63 +36,6 @@ LIVE_FRAMING = 1_000
 KINDS = {cls.kind for cls in (errors.ProtocolError, errors.InvalidRequestError, errors.UnsupportedGraphError,
                               errors.MissingObjectsError, errors.LimitExceededError, errors.QuotaExceededError,
                               errors.WorkerError, errors.RemoteOutOfMemoryError)}
-
-msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-2**63, max_value=2**64 - 1) | st.floats()
-    | st.text(max_size=20) | st.binary(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=12)
-bodies = st.fixed_dictionaries({"type": st.sampled_from(["health", "put_graph", "put_tensors", "run", "echo",
-                                                         "attach", "detach", "heartbeat", "ok", "zz"])},
-                               optional={k: msgpack_values for k in ("graph_id", "doc", "consts", "ids", "metas",
-                                                                    "engine", "args", "session_id")})
-envelopes = st.tuples(st.sampled_from([m.PROTOCOL_VERSION, m.PROTOCOL_VERSION, 0, 2]), bodies)
-
-
-# ------------------------------------------------------------------ in-process
-@settings(max_examples=500, deadline=None)
-@given(st.binary(max_size=300))
-def test_envelope_decoder_on_random_bytes(data):
-    try:
-        m.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        pass
-
-
-@settings(max_examples=500, deadline=None)
-@given(envelopes)
-def test_envelope_decoder_on_random_structures(env):
-    try:
-        m.decode(msgspec.msgpack.encode(list(env)))
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        pass
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.integers(min_value=0, max_value=2**32))
-def test_graph_decoder_on_hostile_documents(seed):
-    doc = fuzz._doc(random.Random(seed))
-    try:
-        decode_graph(doc, [], torch.device("cpu"))
-    except errors.UnsupportedGraphError:
-        pass
-
-
-@settings(max_examples=500, deadline=None)
-@given(st.sampled_from(["float32", "int64", "bool", "float16", "nope"]),
-       st.lists(st.integers(min_value=-3, max_value=2**63), max_size=5),
-       st.lists(st.integers(min_value=-3, max_value=2**63), max_size=5),
-       st.integers(min_value=0, max_value=256))
-def test_tensor_views_stay_inside_their_frame(dtype, shape, strides, nbytes):
-    buf = bytearray(nbytes)
-    try:
-        t = tensor_from_wire(m.TensorMeta(dtype, shape, strides, 0), buf)
-    except ValueError:
-        return
-    if t.numel():
-        span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-        assert span * t.element_size() <= nbytes
-        t.sum()  # touches every element: must not read outside the frame
 
 
 # ------------------------------------------------------------------ live worker

@@ -13,6 +13,7 @@ import torch
 import remotorch
 
 from conftest import TOKEN, clean_env
+from helpers import REPO
 
 
 def with_a_break(x):
@@ -40,7 +41,7 @@ def test_explain_takes_accelerated_functions_and_modules():
 
 
 def run_cli(*args, **env):
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    src = str(REPO / "src")
     extra = {"PYTHONPATH": os.pathsep.join(filter(None, [src, env.pop("PYTHONPATH", "")]))}
     return subprocess.run([sys.executable, "-m", "remotorch", *args], capture_output=True, text=True,
                           timeout=300, env=clean_env(**extra, **env))

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 from conftest import clean_env
+from helpers import REPO
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "load.py"
+SCRIPT = REPO / "benchmarks" / "load.py"
 
 
 def test_sixteen_clients_five_hundred_calls_each():

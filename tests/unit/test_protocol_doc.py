@@ -7,13 +7,14 @@ keeps it from drifting from the code in either direction.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import msgspec
 
 from remotorch.codec import messages as m
 
-DOC = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text(encoding="utf-8")
+from helpers import REPO
+
+DOC = (REPO / "docs" / "protocol.md").read_text(encoding="utf-8")
 ROW_TAG = re.compile(r'^\| `"([a-z_]+)"` ')
 
 

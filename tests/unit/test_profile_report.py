@@ -1,8 +1,8 @@
 """Report statistics from recorded calls: grouping, discarding, failures, totals, rendering.
 
 These exercise the pure arithmetic of ``remotorch.profile.report`` on
-recorded calls built here; the tests against real workers are in
-test_profile.py.
+recorded calls built by ``profile_helpers.call``; the tests against real
+workers are in integration/test_profile.py.
 """
 
 from __future__ import annotations
@@ -10,31 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from remotorch.profile.records import BackendRun, CallRecord, GraphCall, ProfileSettings
-from remotorch.profile.report import CLIENT, build_report
+from remotorch.profile.report import CLIENT
 from remotorch.profile.render import render
 
-B = ["w/eager", "w/onnxrt"]
-
-
-def report_of(records, backends=B, workers=None):
-    """The report of these records, as a profile of ``backends`` with 1 warm-up and 3 repeats."""
-    return build_report(records, ProfileSettings(backends, backends[0], 3, 1, workers or {"w": {"price_per_hour": 7.2}}))
-
-
-def call(function, graphs, *, start=0.0, gaps=(), compiled=False, error=None, times=None):
-    """A call whose local segments last ``gaps`` ms and whose graphs ran the given times."""
-    rec = CallRecord(function, start, compiled=compiled)
-    t = start
-    for i, gid in enumerate(graphs):
-        t += gaps[i] / 1e3
-        runs = {b: BackendRun(times_ms=list(times[b]) if times and not (error and b == error[0]) else [],
-                              error=error[1] if error and b == error[0] else None, network_ms=0.5)
-                for b in B}
-        rec.graphs.append(GraphCall(gid, 3, t, t + 0.010, runs))
-        t += 0.010
-    rec.end = t + gaps[len(graphs)] / 1e3
-    return rec
+from profile_helpers import BACKENDS as B, call, report_of
 
 
 def test_local_segments_are_the_gaps_between_graphs():

@@ -1,5 +1,5 @@
 """Unit tests of the worker's stores: parameter slots and optimizers, and handles (in-process; the
-wire is covered in test_training.py)."""
+wire is covered in integration/test_training.py)."""
 
 from __future__ import annotations
 

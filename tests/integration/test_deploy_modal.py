@@ -25,7 +25,6 @@ import subprocess
 import sys
 import threading
 from importlib import metadata
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +34,8 @@ from conftest import TOKEN as SERVER_TOKEN, clean_env, closed_port
 from remotorch import errors
 from remotorch.deploy.container import self_signed
 from remotorch.deploy.modal import MODAL_PRICES, ModalWorker, _build, credentials_configured, make_app
+
+from helpers import REPO
 
 TOKEN = "modal-test-token-" + "7" * 32
 
@@ -160,7 +161,7 @@ def test_deploy_without_credentials_says_what_to_do(tmp_path):
 
 def test_gpt2_eval_example_writes_its_files_locally(server, tmp_path):
     """The example of the remote-GPU, local-files pattern, run as a user runs it (against REMOTORCH_URL)."""
-    example = Path(__file__).resolve().parent.parent / "examples" / "gpt2_eval.py"
+    example = REPO / "examples" / "gpt2_eval.py"
     out = tmp_path / "my results"
     proc = subprocess.run([sys.executable, str(example), "--out", str(out), "--problems", "12", "--batch", "4"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path,
