@@ -20,7 +20,7 @@ from .training.client import TrainingClient as _TrainingClient
 from .devtools import models  # example models (``from remotorch import models``)
 
 __all__ = ["Session", "accelerate", "compile", "default_session", "errors", "explain", "models", "optim",
-           "remote_profile", "remotorch_backend"]
+           "parallel", "pipeline", "remote_profile", "remotorch_backend"]
 __version__ = "0.1.0"
 
 
@@ -35,6 +35,16 @@ def _register_backend() -> None:
         lookup_backend("remotorch")
     except Exception:
         register_backend(compiler_fn=remotorch_backend, name="remotorch")
+
+
+
+def __getattr__(name: str):
+    """``remotorch.pipeline`` and ``remotorch.parallel`` without importing them first (loaded on first use)."""
+    if name in ("pipeline", "parallel"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'remotorch' has no attribute {name!r}")
 
 
 _register_backend()

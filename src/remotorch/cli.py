@@ -92,7 +92,8 @@ def make_server(args: argparse.Namespace, token: str | None = None):
         allow_ops = load_allowed(args.allow_ops or (), args.imports or ())
         engine_names = [e for e in args.engines.split(",") if e] if args.engines else None
         worker = Worker(args.device, name=args.name, price_per_hour=args.price_per_hour,
-                        engine_names=engine_names, limits=_limits(args), allow_ops=allow_ops)
+                        engine_names=engine_names, limits=_limits(args), allow_ops=allow_ops,
+                        group_host=args.group_host)
         tls = _tls(args)
     except (ValueError, OSError) as exc:
         raise ServeError(str(exc)) from None
@@ -311,6 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run a worker server")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=7878, help="0 picks a free port")
+    serve.add_argument("--group-host", default="127.0.0.1", metavar="ADDR",
+                       help="the only address process groups with other workers (data parallelism) bind "
+                            "to; torch.distributed authenticates nothing: name a private network "
+                            "(default: loopback)")
     serve.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     serve.add_argument("--token", default=None, help="shared secret (default: $REMOTORCH_TOKEN)")
     serve.add_argument("--name", default="worker", help="the worker's name in reports")

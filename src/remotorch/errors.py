@@ -18,6 +18,7 @@ Every failure that involves the worker surfaces as a subclass of
     │   ├── QuotaExceededError         a session is over its memory quota (or the worker over its memory limit)
     │   └── RequestTimeoutError        a request ran longer than the worker's request timeout
     ├── MissingObjectsError            the worker lacks graphs/tensors the request names (session re-uploads)
+    ├── GroupError                     a process group of workers failed: a member missing, dead or too slow
     └── UnknownBackendError            a profile names a WORKER/ENGINE pair the session's workers do not offer
 
 Errors raised on the worker travel back as an ``ErrorReply`` whose ``kind``
@@ -168,12 +169,28 @@ class UnknownBackendError(RemoteError):
     kind = "backend"
 
 
+class GroupError(RemoteError):
+    """A process group of workers (data parallelism) could not form or a collective failed.
+
+    A member did not join in time, died, or did not take part within the
+    group's timeout; ``ranks`` names the members that did not join, where
+    known. The workers keep serving; the group is unusable (form a new one).
+    """
+
+    kind = "group"
+
+    def __init__(self, message: str = "", *, ranks: list[int] | None = None,
+                 remote_traceback: str | None = None) -> None:
+        super().__init__(message, remote_traceback=remote_traceback)
+        self.ranks = list(ranks or [])
+
+
 _BY_KIND: dict[str, type[RemoteError]] = {
     cls.kind: cls
     for cls in (RemoteError, TransportError, WorkerUnavailableError, ProtocolError,
                 AuthenticationError, WorkerError, RemoteOutOfMemoryError,
                 UnsupportedGraphError, InvalidRequestError, LimitExceededError, QuotaExceededError,
-                RequestTimeoutError, ForeignParameterError)
+                RequestTimeoutError, ForeignParameterError, GroupError)
 }
 
 

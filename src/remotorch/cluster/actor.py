@@ -43,7 +43,9 @@ class WorkerActor:
         self._server = None
         self._error: str | None = None
         argv = ["--host", self.host, "--port", "0", "--name", name, "--device", device,
-                "--threads", str(max(1, math.ceil(threads))), *serve_args]
+                "--threads", str(max(1, math.ceil(threads))),
+                "--group-host", self.host,  # process groups between workers: on the node's address (Ray's network)
+                *serve_args]
         from ..cli import ServeError, make_server, serve_args as parse
 
         try:

@@ -11,6 +11,8 @@ from typing import Union
 
 import msgspec
 
+from .groups import BroadcastSlots, JoinGroup, LeaveGroup, OpenStore, ReduceGrads, StoreReply
+
 PROTOCOL_VERSION = 3
 
 
@@ -390,12 +392,9 @@ class SendHandles(msgspec.Struct, frozen=True, tag="send_handles", omit_defaults
 
 
 class Deliver(msgspec.Struct, frozen=True, tag="deliver", omit_defaults=True):
-    """Worker to worker, on a connection opened with a ticket: the tensors a ticket names, in frames.
-
-    The first ``Deliver`` of a connection is under the ticket its hello
-    presented (``ticket`` and ``proof`` empty); each later one names its own
-    ``ticket`` and proves its secret for this connection (§18.2).
-    """
+    """Worker to worker, on a ticket connection: the tensors a ticket names, in frames. The first
+    ``Deliver`` of a connection is under its hello's ticket (``ticket``, ``proof`` empty); each later
+    one names its own ``ticket`` and proves its secret for this connection (§18.2)."""
 
     metas: list[TensorMeta]
     ticket: bytes = b""
@@ -408,9 +407,10 @@ Request = Union[Health, PutGraph, PutTensors, Run, Echo, Flush,  # core (§8.1)
                 ProfileGraph,  # profiling (§8.3)
                 BindSlots, AccumulateGrads, PullSlots, OptimCreate,  # training (§17)
                 OptimStep, OptimZeroGrad, ClipGradNorm, OptimGetState, OptimSetState,
-                Fetch, ExpectHandles, SendHandles, Deliver]  # values that stay on the worker (§18)
+                Fetch, ExpectHandles, SendHandles, Deliver,  # values that stay on the worker (§18)
+                OpenStore, JoinGroup, LeaveGroup, BroadcastSlots, ReduceGrads]  # process groups (§19)
 Reply = Union[HealthReply, Ok, RunReply, EchoReply, ErrorReply, AttachReply, ProfileReply,
-              PullReply, NormReply, OptimStateReply, FetchReply, TicketReply]
+              PullReply, NormReply, OptimStateReply, FetchReply, TicketReply, StoreReply]
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

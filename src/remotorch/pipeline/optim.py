@@ -11,11 +11,11 @@ state stays on the workers; ``state_dict()`` gathers it by parameter name.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
 
+from ..parallel.concurrent import run_all
 from ..training.optim import RemoteOptimizer
 
 
@@ -30,24 +30,37 @@ class PipelineOptimizer(torch.optim.Optimizer):
         self.optimizer_class = optimizer_class
         self.hyperparameters = hyperparameters
         self.parts: list[tuple[list[str], RemoteOptimizer]] = []
+        self.mirrors: list[list[tuple[list[str], RemoteOptimizer]]] = []  # the other replicas', in the same order
         self._loaded: dict | None = None
 
     def _parts(self) -> list[tuple[list[str], RemoteOptimizer]]:
+        """Replica 0's optimizers (one per worker): their state is the optimizer's state."""
         if not self.parts and self.pipe.layout is not None:
-            for client, named in self.pipe.parameters_by_worker():
-                if not named:
-                    continue
-                opt = RemoteOptimizer(self.optimizer_class, [p for _, p in named], **self.hyperparameters)
-                opt.bind(client)
-                self.parts.append(([n for n, _ in named], opt))
+            for r, parts in enumerate(self.pipe.replica_parts()):
+                made = []
+                for client, named in parts:
+                    if not named:
+                        continue
+                    opt = RemoteOptimizer(self.optimizer_class, [p for _, p in named], client=client,
+                                          **self.hyperparameters)
+                    made.append(([n for n, _ in named], opt))
+                if r == 0:
+                    self.parts.extend(made)
+                else:
+                    self.mirrors.append(made)
             if self._loaded is not None:
                 self._load_parts(self._loaded)
                 self._loaded = None
         return self.parts
 
+    def _all(self) -> list[tuple[list[str], RemoteOptimizer]]:
+        """Every replica's optimizers (replicas step alike: equal gradients, equal state)."""
+        parts = self._parts()
+        return parts + [p for made in self.mirrors for p in made]
+
     def _sync(self) -> None:
         group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        for _, opt in self._parts():
+        for _, opt in self._all():
             opt.param_groups[0].update(group)
 
     @torch.no_grad()
@@ -58,23 +71,25 @@ class PipelineOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sync()
-        _parallel([opt.step for _, opt in self._parts()])
+        run_all([opt.step for _, opt in self._all()])
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for _, opt in self._parts():
+        for _, opt in self._all():
             opt.zero_grad(set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """``clip_grad_norm_`` over all stages: the total norm from each worker's, then one scale for all."""
-        norms = []
-        _parallel([lambda o=opt: norms.append(o.clip_grad_norm_(float("inf"), norm_type))
-                   for _, opt in self._parts()])
+        """``clip_grad_norm_`` over all stages: the total norm from each worker's, then one scale for all.
+
+        Replicas hold equal gradients (averaged after each step), so replica 0's give the norm.
+        """
+        parts = self._parts()
+        norms = run_all([lambda o=opt: o.clip_grad_norm_(float("inf"), norm_type) for _, opt in parts])
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.tensor(0.0)
         coef = max_norm / (float(total) + 1e-6)
         if coef < 1.0:
-            _parallel([lambda o=opt: o.clip_grad_norm_(float(n) * coef, norm_type)
-                       for (_, opt), n in zip(self._parts(), norms)])
+            run_all([lambda o=opt, n=n: o.clip_grad_norm_(float(n) * coef, norm_type)
+                     for made in (parts, *self.mirrors) for (_, opt), n in zip(made, norms)])
         return total
 
     def state_dict(self) -> dict:
@@ -97,33 +112,12 @@ class PipelineOptimizer(torch.optim.Optimizer):
 
     def _load_parts(self, state_dict: dict) -> None:
         self._sync()
-        for names, opt in self.parts:
+        for names, opt in self._all():
             sd = opt.state_dict()
             sd["state"] = {i: state_dict["state"][n] for i, n in enumerate(names) if n in state_dict["state"]}
             sd["param_groups"][0].update({k: v for k, v in self.param_groups[0].items() if k != "params"})
             opt.load_state_dict(sd)
 
     def __repr__(self) -> str:
-        return f"PipelineOptimizer({self.optimizer_class.__name__}, workers={len(self.parts)})"
-
-
-def _parallel(calls: list[Callable[[], object]]) -> None:
-    """Run calls on threads (one per worker), raising the first failure."""
-    if len(calls) <= 1:
-        for c in calls:
-            c()
-        return
-    errors: list[BaseException] = []
-
-    def run(c):
-        try:
-            c()
-        except BaseException as exc:  # raised below, on the caller's thread
-            errors.append(exc)
-    threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in calls]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+        return (f"PipelineOptimizer({self.optimizer_class.__name__}, workers={len(self.parts)}, "
+                f"replicas={1 + len(self.mirrors)})")

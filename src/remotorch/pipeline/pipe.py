@@ -14,6 +14,11 @@ worker (stage i on worker i mod W) and puts its parameters in slots there.
 Every step then runs the schedule (:mod:`.runtime`): the client sends each
 microbatch's leaves to the stages that take them and receives the losses;
 activations and gradients go worker to worker.
+
+``replicas=R`` trains R copies of the stages on R sets of workers (data x
+pipeline parallelism, :mod:`remotorch.parallel.replicas`): each step splits
+the batch into R equal shards, runs them at once, and averages each stage's
+gradients across its replicas, worker to worker.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..client.session import Session, default_session
+from ..parallel.concurrent import run_all
+from ..parallel.replicas import Column, each_column
 from .optim import PipelineOptimizer
 from .runtime import StageLayout, StepRun
 from .split import Split, split_model
@@ -40,13 +47,23 @@ class Pipeline:
     or a :class:`~remotorch.pipeline.schedules.Schedule` written by hand;
     ``loss_fn(output, target)`` runs on the last stage for each microbatch,
     and a step's gradients are those of the mean loss over the whole batch.
+
+    ``workers`` picks the session's workers to use (indices or names; default
+    all). ``replicas`` > 1 splits them into that many equal sets, one replica
+    of the stages each; a batch must then split into ``replicas`` x
+    ``microbatches`` equal parts (an uneven batch is refused, not weighted).
+    ``group_timeout`` bounds forming the replicas' groups and each
+    collective (seconds); ``bucket_mb`` is the all-reduce bucket size.
     """
 
     def __init__(self, model: torch.nn.Module, split_before: Sequence[str], *, loss_fn: Callable,
                  session: Session | None = None, schedule="1F1B", microbatches: int = 4,
-                 engine: str = "eager") -> None:
+                 engine: str = "eager", replicas: int = 1, workers: Sequence[int | str] | None = None,
+                 group_timeout: float = 60.0, bucket_mb: float = 25.0) -> None:
         if microbatches < 1:
             raise ValueError("microbatches must be at least 1")
+        if not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
         if isinstance(split_before, str):
             split_before = [split_before]
         self.model = model
@@ -56,6 +73,13 @@ class Pipeline:
         self.schedule_spec = schedule
         self.microbatches = microbatches
         self.engine = engine
+        self.replicas = replicas
+        self.workers = None if workers is None else list(workers)
+        self.group_timeout = group_timeout
+        self.bucket_bytes = max(1, int(bucket_mb * (1 << 20)))
+        self.replica_layouts: list[StageLayout] = []  # replica r's stages (layout is replica 0's)
+        self.columns: list[Column] = []  # worker w of every replica, and its group
+        self.generation = 0
         self.schedule = None
         self.split: Split | None = None
         self.layout: StageLayout | None = None
@@ -71,7 +95,7 @@ class Pipeline:
     def _chunks(self, x, y) -> tuple[list, list]:
         args = x if isinstance(x, (tuple, dict)) else (x,)  # positional arguments, or keyword ones
         leaves, spec = pytree.tree_flatten((args, y))
-        n = self.microbatches
+        n = self.microbatches * self.replicas
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         if not tensors:
             raise TypeError("pipe.step takes tensors: the model's inputs and the target")
@@ -80,7 +104,9 @@ class Pipeline:
             if t.dim() == 0 or t.shape[0] != batch:
                 raise ValueError("every input and the target must share the batch dimension (dim 0)")
         if batch % n:
-            raise ValueError(f"a batch of {batch} does not split into {n} equal microbatches")
+            shards = f"{self.replicas} replicas x {self.microbatches}" if self.replicas > 1 else f"{n}"
+            raise ValueError(f"a batch of {batch} does not split into {shards} equal microbatches "
+                             "(uneven shards are refused rather than weighted)")
         per = [t.chunk(n) for t in tensors]
         mbs = []
         for i in range(n):
@@ -88,21 +114,52 @@ class Pipeline:
             mbs.append(pytree.tree_unflatten([next(it) if isinstance(v, torch.Tensor) else v for v in leaves], spec))
         return mbs, [(tuple(t.shape[1:]), t.dtype) for t in tensors]
 
+    def _conns(self) -> list:
+        conns = self.session.connections()
+        if self.workers is None:
+            return conns
+        chosen = [self.session.connection_for(w) for w in self.workers]
+        if len({id(c) for c in chosen}) != len(chosen):
+            raise ValueError(f"workers={self.workers!r} names a worker twice")
+        return chosen
+
     def _build(self, first) -> None:
         args, target = first
         self.split = split_model(self.model, self.loss_fn, self.split_before, args, target)
-        conns = self.session.connections()
-        workers = min(len(conns), self.num_stages)
+        conns = self._conns()
+        if len(conns) < self.replicas:
+            raise ValueError(f"{self.replicas} replicas need at least {self.replicas} workers; "
+                             f"{len(conns)} are given")
+        if len(conns) % self.replicas:
+            raise ValueError(f"{len(conns)} workers do not split into {self.replicas} equal replicas")
+        workers = min(len(conns) // self.replicas, self.num_stages)
         self.schedule = self._make_schedule(workers)
         placement = tuple(self.schedule.placement)
-        runners = []
-        for stage in self.split.stages:
-            conn = conns[placement[stage.index]]
-            runners.append(StageRunner(stage, self.session.trainer(conn), self.engine))
-        self.layout = StageLayout(runners, placement, [conns[w].url or "" for w in range(workers)])
-        for r in runners:
+        self.replica_layouts = []
+        for r in range(self.replicas):
+            mine = conns[r * workers:(r + 1) * workers]
+            runners = [StageRunner(stage, self.session.trainer(mine[placement[stage.index]]), self.engine)
+                       for stage in self.split.stages]
+            self.replica_layouts.append(StageLayout(runners, placement, [c.url or "" for c in mine]))
+        self.layout = self.replica_layouts[0]
+        for r in self.layout.runners:
             r.bind()
-        log.info("pipeline: %d stages on %d workers, schedule %s", self.num_stages, workers, self.schedule.name)
+        if self.replicas > 1:
+            self._form_groups()
+        log.info("pipeline: %d stages on %d workers x %d replicas, schedule %s", self.num_stages, workers,
+                 self.replicas, self.schedule.name)
+
+    def _form_groups(self) -> None:
+        """One group per worker column; then every replica takes replica 0's parameters."""
+        self.generation += 1
+        self.columns = []
+        for w in range(len(self.layout.urls)):
+            clients = [layout.runners[next(r.index for r in layout.runners if layout.placement[r.index] == w)].client
+                       for layout in self.replica_layouts]
+            params = list({id(p): p for r in self.layout.runners if self.layout.placement[r.index] == w
+                           for p in r.params}.values())
+            self.columns.append(Column(clients, params, timeout_s=self.group_timeout, generation=self.generation))
+        each_column(self.columns, Column.sync)
 
     def _make_schedule(self, workers: int):
         from . import builders, schedules
@@ -119,9 +176,9 @@ class Pipeline:
         if sched.stages != self.num_stages or sched.microbatches != self.microbatches:
             raise ValueError(f"the schedule is for {sched.stages} stages x {sched.microbatches} microbatches; "
                              f"this pipeline has {self.num_stages} x {self.microbatches}")
-        if sched.workers > len(self.session.connections()):
-            raise ValueError(f"the schedule uses {sched.workers} workers; the session has "
-                             f"{len(self.session.connections())}")
+        if sched.workers > workers:
+            raise ValueError(f"the schedule uses {sched.workers} workers; this pipeline has {workers} "
+                             "per replica")
         return sched
 
     # -------------------------------------------------------------------- step
@@ -141,15 +198,24 @@ class Pipeline:
                              "traced for one shape (make a new Pipeline for another)")
         for r in self.layout.runners:
             r.bind()  # parameters changed here since (load_state_dict, a local edit) go up first
+        if self.columns:
+            each_column(self.columns, Column.sync)  # and from replica 0 to the others
         n_args = self.split.n_inputs
         leaves, targets = [], []
         for args, target in mbs:
             flat = [t for t in pytree.tree_leaves((args, target)) if isinstance(t, torch.Tensor)]
             leaves.append(flat[:n_args])
             targets.append(flat[n_args:])
-        run = StepRun(self.layout, self.schedule, leaves, targets)
-        self.last_step = run
-        return run.run()
+        n = self.microbatches
+        runs = [StepRun(layout, self.schedule, leaves[r * n:(r + 1) * n], targets[r * n:(r + 1) * n])
+                for r, layout in enumerate(self.replica_layouts)]
+        self.last_step = runs[0]
+        if len(runs) == 1:
+            return runs[0].run()
+        losses = run_all([run.run for run in runs])
+        weight = 1.0 / self.replicas
+        each_column(self.columns, lambda col: col.reduce(weight, self.bucket_bytes))
+        return torch.stack([torch.as_tensor(x) for x in losses]).mean()
 
     def last_timeline(self) -> dict:
         """When each action of the last step ran, as the client saw it (request sent to reply read).
@@ -186,11 +252,28 @@ class Pipeline:
             entry[1].extend((names[id(p)], p) for p in r.params)
         return list(by_client.values())
 
+    def replica_parts(self) -> list[list[tuple[object, list[tuple[str, torch.Tensor]]]]]:
+        """:meth:`parameters_by_worker` of every replica, replica 0 first (the same names, in order)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = []
+        for layout in self.replica_layouts:
+            by_client: dict[int, tuple] = {}
+            for r in layout.runners:
+                entry = by_client.setdefault(id(r.client), (r.client, []))
+                entry[1].extend((names[id(p)], p) for p in r.params)
+            out.append(list(by_client.values()))
+        return out
+
     def pull(self, model: torch.nn.Module | None = None) -> int:
-        """Bring the workers' parameters of record back into ``model`` (default: the pipeline's own)."""
+        """Bring the workers' parameters of record back into ``model`` (default: the pipeline's own).
+
+        With replicas, from replica 0 (every replica holds the same values).
+        """
         count = 0
         for client, named in self.parameters_by_worker():
             count += client.pull_tensors([p for _, p in named])
+        for col in self.columns:
+            col.mirrored()
         if model is not None and model is not self.model:
             own = dict(self.model.named_parameters())
             with torch.no_grad():

@@ -56,6 +56,8 @@ class TrainingClient:
         self.keep_outputs = True  # a forward's outputs Python has not read stay on the worker
         self.keep_min_bytes = 1024
         self.optimizers: weakref.WeakSet = weakref.WeakSet()  # RemoteOptimizers bound here
+        # a replica's client (data parallelism): its slots mirror this client's, filled worker to worker
+        self.replica_of: TrainingClient | None = None
         connection.pending_hooks.append(self._take_pending)
         connection.before_close.append(self.pull_before_close)
 
@@ -107,11 +109,12 @@ class TrainingClient:
     def claim(self, t: torch.Tensor) -> Slot:
         """This session's slot for a parameter; ForeignParameterError if another session holds it."""
         other = owner_of(t)
-        if other is not None and other is not self and not other.closed and other.slots.lookup(t) is not None:
+        if other is not None and other is not self and other is not self.replica_of and not other.closed \
+                and other.slots.lookup(t) is not None:
             raise errors.ForeignParameterError(
                 f"parameter of shape {list(t.shape)} is held by another session's worker; "
                 "use that session (or pull it and close that session first)")
-        return self.slots.get_or_new(t)
+        return self.slots.get_or_new(t, own=self.replica_of is None)
 
     def bind_stale(self, tensors: Iterable[torch.Tensor]) -> None:
         """Upload local values into the slots whose local copy moved (or that are new)."""
@@ -256,6 +259,8 @@ class TrainingClient:
         after the block, and ``opt.state_dict()`` still answers; the optimizer
         binds again, with that state, to the next session that uses its parameters.
         """
+        if self.replica_of is not None:  # a replica holds what the client it mirrors brings back
+            return
         stepped = [t for t, slot in self.slots.items() if slot.stepped and not self.slots.stale(slot, t)]
         if stepped:
             self.pull_tensors(stepped)

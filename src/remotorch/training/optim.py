@@ -56,7 +56,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer_class: type[torch.optim.Optimizer], params, *, session=None,
-                 **hyperparameters) -> None:
+                 client: TrainingClient | None = None, **hyperparameters) -> None:
         name = getattr(optimizer_class, "__name__", "")
         if getattr(torch.optim, name, None) is not optimizer_class or optimizer_class is torch.optim.Optimizer:
             raise TypeError(f"{optimizer_class!r} is not an optimizer class of torch.optim")
@@ -67,7 +67,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._client: TrainingClient | None = None
         self._id: int | None = None
         self._sent = [self._hyper(g) for g in self.param_groups]
-        client = session.trainer() if session is not None else _holder(self._params())
+        if client is None:  # ``client``: a given worker's training client (a pipeline's, a replica's)
+            client = session.trainer() if session is not None else _holder(self._params())
         if client is not None:
             self.bind(client)
         else:  # bound by the first session that puts one of these parameters in a slot

@@ -60,15 +60,17 @@ class ParamSlots:
         """(local tensor, slot) of every slot whose tensor is alive."""
         return [(t, slot) for slot in list(self._by_tensor.values()) if (t := slot.ref()) is not None]
 
-    def get_or_new(self, t: torch.Tensor) -> Slot:
-        """The tensor's slot, creating an unbound one (version -1) if needed."""
+    def get_or_new(self, t: torch.Tensor, own: bool = True) -> Slot:
+        """The tensor's slot, creating an unbound one (version -1) if needed; ``own``: record this
+        client as the tensor's owner (a replica's mirror slot does not)."""
         slot = self.lookup(t)
         if slot is None:
             key, sid = id(t), self._next
             self._next += 1
             slot = Slot(weakref.ref(t, lambda _, k=key, s=sid: self._dead(k, s)), sid, -1)
             self._by_tensor[key] = slot
-            setattr(t, _OWNER_ATTR, self._owner)
+            if own:
+                setattr(t, _OWNER_ATTR, self._owner)
         return slot
 
     def _dead(self, key: int, sid: int) -> None:

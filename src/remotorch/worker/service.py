@@ -307,6 +307,26 @@ class Service:
     def _flush(self, session, req: m.Flush, frames) -> Reply:
         return _ok()  # the envelope's housekeeping was applied in _dispatch
 
+    # ------------------------------------------------------------ process groups (§19)
+    def _open_store(self, session, req: m.OpenStore, frames) -> Reply:
+        return m.encode(m.StoreReply(self.worker.groups.open_store(session, req.timeout_s))), []
+
+    def _join_group(self, session, req: m.JoinGroup, frames) -> Reply:
+        self.worker.groups.join(session, req.group, req.store, req.prefix, req.rank, req.world, req.timeout_s)
+        return _ok()
+
+    def _leave_group(self, session, req: m.LeaveGroup, frames) -> Reply:
+        self.worker.groups.leave(session, req.group)
+        return _ok()
+
+    def _broadcast_slots(self, session, req: m.BroadcastSlots, frames) -> Reply:
+        self.worker.groups.broadcast_slots(session, req.group, req.slots, req.shapes, req.dtypes, req.root)
+        return _ok()
+
+    def _reduce_grads(self, session, req: m.ReduceGrads, frames) -> Reply:
+        self.worker.groups.reduce_grads(session, req.group, req.slots, req.weight, req.bucket_bytes)
+        return _ok()
+
 
 _HANDLERS: dict[type, Callable[[Service, object, object, list], Reply]] = {
     m.Health: Service._health, m.Echo: Service._echo, m.PutGraph: Service._put_graph,
@@ -318,4 +338,6 @@ _HANDLERS: dict[type, Callable[[Service, object, object, list], Reply]] = {
     m.OptimSetState: Service._optim_set_state, m.ClipGradNorm: Service._clip_grad_norm,
     m.Flush: Service._flush, m.Fetch: Service._fetch, m.ExpectHandles: Service._expect_handles,
     m.SendHandles: Service._send_handles,
+    m.OpenStore: Service._open_store, m.JoinGroup: Service._join_group, m.LeaveGroup: Service._leave_group,
+    m.BroadcastSlots: Service._broadcast_slots, m.ReduceGrads: Service._reduce_grads,
 }

@@ -36,6 +36,7 @@ from .store import SharedStore
 from .timing import MAX_REPEATS, MAX_WARMUPS, TimedRuns, time_runs
 from .handles import HandleStore, count_bytes
 from .outputs import OutputPlan, Send, dispose, grad_slots
+from .groups import Groups
 from .training import Trainables
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,8 @@ class Worker:
 
     def __init__(self, device: str | torch.device = "auto", *, name: str = "worker",
                  limits: Limits = Limits(), price_per_hour: float = 0.0,
-                 engine_names: list[str] | None = None, allow_ops: frozenset[str] = frozenset()) -> None:
+                 engine_names: list[str] | None = None, allow_ops: frozenset[str] = frozenset(),
+                 group_host: str = "127.0.0.1") -> None:
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.name = name
         self.price_per_hour = price_per_hour  # $ per hour of this worker, for cost reports
@@ -162,6 +164,7 @@ class Worker:
         self._tensors = SharedStore(limits.cache_bytes)
         self.handles = HandleStore()  # every value kept for a session, by handle id
         self.trainables = Trainables(self.device)  # parameter slots and optimizers
+        self.groups = Groups(self.trainables, self.device, group_host)  # process groups with other workers
         # namespaces of custom operators graphs may call (registered here: see worker/custom_ops.py)
         self.allow_ops = frozenset(allow_ops)
 
@@ -172,6 +175,7 @@ class Worker:
         self._tensors.drop_session(session)
         self.handles.drop_session(session)
         self.trainables.drop_session(session)
+        self.groups.drop_session(session)
 
     def apply_pending(self, session: object, p: m.Pending) -> None:
         """The client's deferred housekeeping: zero_grad first, then drop what it no longer references."""
