@@ -83,3 +83,28 @@ def train_steps(loss_of: Callable[[], torch.Tensor], opt, steps: int = 2,
             after_step()
         losses.append(loss.detach())
     return losses
+
+
+def assert_a_value_moves_worker_to_worker(session, first, second) -> None:
+    """A 1 MiB result kept on worker ``first`` is taken by a graph on ``second``: it moves between the two
+    workers (the client sends and receives well under 64 KiB), is never fetched here, the copy on
+    ``second`` serves a second call too, and every result equals eager."""
+    produce = remotorch.compile(lambda a: torch.sin(a) * 2, session=session, worker=first, fallback="raise")
+    consume = remotorch.compile(lambda v: v.cos() + 1, session=session, worker=second, fallback="raise")
+    x = torch.randn(512, 512)  # 1 MiB
+    with torch.no_grad():
+        y = produce(x)
+        assert y.is_remote
+        before = session.stats()
+        z = consume(y)
+        after = session.stats()
+        through_client = (after["bytes_sent"] - before["bytes_sent"]) + \
+            (after["bytes_received"] - before["bytes_received"])
+        assert after["values_moved"] == before["values_moved"] + 1
+        assert through_client < 64 << 10, through_client  # y went from worker to worker
+        assert y.is_remote  # and it was never fetched here
+        torch.testing.assert_close(z, (torch.sin(x) * 2).cos() + 1)
+        again = consume(y)  # the copy on the second worker is used again
+        assert session.stats()["values_moved"] == before["values_moved"] + 1
+        torch.testing.assert_close(again, z)
+    assert session.stats()["fallbacks"] == 0

@@ -27,6 +27,7 @@ from remotorch.cluster import RayCluster
 from remotorch.cluster.actor import WorkerActor
 
 from conftest import RAY_TEST_ENV, clean_env, wait_until
+from helpers import assert_a_value_moves_worker_to_worker
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,21 +115,7 @@ def test_each_worker_is_its_ray_actor_on_its_bundle_of_one_placement_group(clust
 
 
 def test_a_value_kept_on_worker_0_moves_to_worker_1_inside_the_cluster(cluster):
-    s = cluster.session
-    produce = compile_raise(lambda a: torch.sin(a) * 2, s, worker=0)
-    consume = compile_raise(lambda v: v.cos() + 1, s, worker="ray-1")
-    x = torch.randn(512, 512)  # 1 MiB
-    with torch.no_grad():
-        y = produce(x)
-        assert y.is_remote
-        before = s.stats()
-        z = consume(y)
-        after = s.stats()
-        assert y.is_remote  # never fetched by the client
-    assert after["values_moved"] == before["values_moved"] + 1
-    through_client = (after["bytes_sent"] - before["bytes_sent"]) + (after["bytes_received"] - before["bytes_received"])
-    assert through_client < 64 << 10, through_client  # the MiB went worker to worker
-    torch.testing.assert_close(z, (torch.sin(x) * 2).cos() + 1)
+    assert_a_value_moves_worker_to_worker(cluster.session, 0, "ray-1")  # the same test as on plain workers
 
 
 def test_a_sigkilled_worker_is_noticed_through_ray_and_comes_back(cluster):

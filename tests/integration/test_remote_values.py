@@ -23,6 +23,7 @@ from remotorch import errors, models
 from remotorch.client.remote import RemoteTensor
 
 from conftest import TOKEN
+from helpers import assert_a_value_moves_worker_to_worker
 
 MiB = 1 << 20
 
@@ -210,23 +211,7 @@ def test_generate_keeps_the_kv_cache_on_the_worker(session, family):
 def test_a_value_moves_worker_to_worker_not_through_the_client(server, start_server):
     other = start_server(name="second")
     with remotorch.Session([server.url, other.url], token=TOKEN) as s:
-        produce = compile_raise(lambda a: torch.sin(a) * 2, s, worker=0)
-        consume = compile_raise(lambda v: v.cos() + 1, s, worker="second")
-        x = torch.randn(512, 512)  # 1 MiB
-        with torch.no_grad():
-            y = produce(x)
-            assert y.is_remote
-            before = s.stats()
-            z = consume(y)
-            sent, received = moved(s, before)
-            assert s.stats()["values_moved"] == before["values_moved"] + 1
-            assert sent + received < 64 << 10  # y went from worker to worker
-            assert y.is_remote  # and it was never fetched here
-            torch.testing.assert_close(z, (torch.sin(x) * 2).cos() + 1)
-            again = consume(y)  # the copy on the second worker is used again
-            assert s.stats()["values_moved"] == before["values_moved"] + 1
-            torch.testing.assert_close(again, z)
-        assert s.stats()["fallbacks"] == 0
+        assert_a_value_moves_worker_to_worker(s, 0, "second")
 
 
 def test_a_ticket_cannot_be_used_twice_and_the_workers_keep_serving(server, start_server):
