@@ -19,14 +19,19 @@ PACKAGE = REPO / "src" / "remotorch"
 
 # part -> parts it must never import (directly or through a lazy or type-only import)
 FORBIDDEN = {
-    "codec": {"client", "capture", "training", "pipeline", "cluster", "deploy", "profile", "worker", "transport"},
-    "transport": {"client", "capture", "training", "pipeline", "cluster", "deploy", "profile", "worker", "codec"},
-    "worker": {"client", "capture", "training", "pipeline", "cluster", "deploy", "profile"},
-    "client": {"capture", "training", "pipeline", "cluster", "deploy", "profile", "worker"},
-    "capture": {"training", "pipeline", "cluster", "deploy", "profile", "worker", "transport", "client.session"},
-    "training": {"capture", "pipeline", "cluster", "deploy", "profile", "worker"},
-    "deploy": {"capture", "training", "pipeline", "cluster", "profile", "compat", "worker"},
-    "compat": {"training", "pipeline", "cluster", "deploy", "worker"},
+    "codec": {"client", "capture", "training", "pipeline", "parallel", "cluster", "deploy", "profile", "worker",
+              "transport"},
+    "transport": {"client", "capture", "training", "pipeline", "parallel", "cluster", "deploy", "profile", "worker",
+                  "codec"},
+    "worker": {"client", "capture", "training", "pipeline", "parallel", "cluster", "deploy", "profile"},
+    "client": {"capture", "training", "pipeline", "parallel", "cluster", "deploy", "profile", "worker"},
+    "capture": {"training", "pipeline", "parallel", "cluster", "deploy", "profile", "worker", "transport",
+                "client.session"},
+    "training": {"capture", "pipeline", "parallel", "cluster", "deploy", "profile", "worker"},
+    "pipeline": {"parallel", "cluster", "deploy", "profile", "worker"},
+    "parallel": {"cluster", "deploy", "profile", "worker"},
+    "deploy": {"capture", "training", "pipeline", "parallel", "cluster", "profile", "compat", "worker"},
+    "compat": {"training", "pipeline", "parallel", "cluster", "deploy", "worker"},
 }
 
 

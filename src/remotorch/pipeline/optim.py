@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..parallel.concurrent import run_all
+from ..client.pool import run_all
 from ..training.optim import RemoteOptimizer
 
 

@@ -16,7 +16,7 @@ microbatch's leaves to the stages that take them and receives the losses;
 activations and gradients go worker to worker.
 
 ``replicas=R`` trains R copies of the stages on R sets of workers (data x
-pipeline parallelism, :mod:`remotorch.parallel.replicas`): each step splits
+pipeline parallelism, :mod:`remotorch.pipeline.replicas`): each step splits
 the batch into R equal shards, runs them at once, and averages each stage's
 gradients across its replicas, worker to worker.
 """
@@ -24,14 +24,15 @@ gradients across its replicas, worker to worker.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 
 from ..client.session import Session, default_session
-from ..parallel.concurrent import run_all
-from ..parallel.replicas import Column, each_column
+from ..client.pool import run_all
+from .replicas import Column, each_column
 from .optim import PipelineOptimizer
 from .runtime import StageLayout, StepRun
 from .split import Split, split_model
@@ -80,6 +81,8 @@ class Pipeline:
         self.replica_layouts: list[StageLayout] = []  # replica r's stages (layout is replica 0's)
         self.columns: list[Column] = []  # worker w of every replica, and its group
         self.generation = 0
+        # seconds of the last step: all of it (step_s) and, with replicas, averaging the gradients (reduce_s)
+        self.last_timing: dict[str, float] = {}
         self.schedule = None
         self.split: Split | None = None
         self.layout: StageLayout | None = None
@@ -207,14 +210,21 @@ class Pipeline:
             leaves.append(flat[:n_args])
             targets.append(flat[n_args:])
         n = self.microbatches
-        runs = [StepRun(layout, self.schedule, leaves[r * n:(r + 1) * n], targets[r * n:(r + 1) * n])
-                for r, layout in enumerate(self.replica_layouts)]
+        # with replicas, each seeds its backward with 1/R of its mean loss's gradient, so the sum the
+        # all-reduce makes is the mean over the whole batch (no scaling pass over the gradients)
+        runs = [StepRun(layout, self.schedule, leaves[r * n:(r + 1) * n], targets[r * n:(r + 1) * n],
+                        loss_scale=1.0 / self.replicas) for r, layout in enumerate(self.replica_layouts)]
         self.last_step = runs[0]
+        started = time.perf_counter()
         if len(runs) == 1:
-            return runs[0].run()
+            loss = runs[0].run()
+            self.last_timing = {"step_s": time.perf_counter() - started}
+            return loss
         losses = run_all([run.run for run in runs])
-        weight = 1.0 / self.replicas
-        each_column(self.columns, lambda col: col.reduce(weight, self.bucket_bytes))
+        reduced = time.perf_counter()
+        each_column(self.columns, lambda col: col.reduce(1.0, self.bucket_bytes))
+        ended = time.perf_counter()
+        self.last_timing = {"step_s": ended - started, "reduce_s": ended - reduced}
         return torch.stack([torch.as_tensor(x) for x in losses]).mean()
 
     def last_timeline(self) -> dict:

@@ -76,8 +76,10 @@ class StageLayout:
 class StepRun:
     """One ``pipe.step``: microbatches through the schedule on every worker."""
 
-    def __init__(self, layout: StageLayout, schedule, leaves: list[list], targets: list[list]) -> None:
+    def __init__(self, layout: StageLayout, schedule, leaves: list[list], targets: list[list],
+                 loss_scale: float = 1.0) -> None:
         self.layout = layout
+        self.loss_scale = loss_scale  # the gradient seeds are loss_scale / microbatches (replicas: 1/R)
         self.schedule = schedule
         self.leaves, self.targets = leaves, targets
         self.n = len(leaves)
@@ -209,7 +211,7 @@ class StepRun:
     def run(self) -> torch.Tensor:
         """Run every worker's actions; the mean of the microbatches' losses."""
         loss_meta = self.layout.runners[-1].graphs.output_meta[0]
-        self.scale = torch.tensor(1.0 / self.n, dtype=loss_meta[0])
+        self.scale = torch.tensor(self.loss_scale / self.n, dtype=loss_meta[0])
         threads = []
         self.started = time.perf_counter()
         for w, actions in enumerate(self.schedule.order):

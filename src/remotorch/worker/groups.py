@@ -159,21 +159,29 @@ class Groups:
         reduced in buckets of about ``bucket_bytes``, all in flight at once."""
         g = self._group(session, group)
         params = [self.trainables.slot(session, sid) for sid in slots]
-        grads = []
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        buckets = list(_buckets(grads, max(1, int(bucket_bytes))))
-        flats = [_flatten(b) for b in buckets]
+            elif not p.grad.is_contiguous():
+                p.grad = p.grad.contiguous()
+        buckets = list(_buckets([p.grad for p in params], max(1, int(bucket_bytes))))
+        # a bucket of one gradient is reduced in place; several are concatenated once, and afterwards
+        # their gradients become views of the reduced buffer (no copy back, as DDP's bucket views)
+        flats = [b[0].view(-1) if len(b) == 1 else torch.cat([t.view(-1) for t in b]) for b in buckets]
         if weight != 1.0:
             for f in flats:
                 f.mul_(weight)
         works = [g.backend.allreduce([f]) for f in flats]
         for work in works:
             _wait(g, group, "all-reduce", work)
+        by_grad = {id(p.grad): p for p in params}
         for flat, bucket in zip(flats, buckets):
-            _unflatten(flat, bucket)
+            if len(bucket) > 1:
+                offset = 0
+                for t in bucket:
+                    n = t.numel()
+                    by_grad[id(t)].grad = flat[offset:offset + n].view_as(t)
+                    offset += n
 
     def _slot_of_layout(self, session: object, sid: int, shape: list[int], dtype: str) -> torch.Tensor:
         try:

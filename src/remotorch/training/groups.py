@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from .. import errors
 from ..client.connection import Connection
 from ..codec import messages as m
-from .concurrent import run_all
+from ..client.pool import run_all
 
 _ids = itertools.count(1)  # group ids: unique among this process's groups, so within every worker session
 

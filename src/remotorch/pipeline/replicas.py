@@ -3,7 +3,7 @@
 Replica ``r`` runs every stage on its own ``W`` workers, placed as the
 schedule places them. Worker ``w`` of every replica holds the same stages,
 so the ``R`` workers of column ``w`` form one process group
-(:class:`~remotorch.parallel.group.WorkerGroup`), and over it:
+(:class:`~remotorch.training.groups.WorkerGroup`), and over it:
 
 * **parameters** go up once, to replica 0 (the client uploads what changed
   there, as for a single pipeline), then every other replica takes them
@@ -27,8 +27,8 @@ import torch
 from ..codec import messages as m
 from ..codec.tensors import dtype_name
 from ..training.client import TrainingClient
-from .concurrent import run_all
-from .group import WorkerGroup
+from ..client.pool import run_all
+from ..training.groups import WorkerGroup
 
 
 class Column:
