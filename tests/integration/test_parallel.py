@@ -189,9 +189,24 @@ def test_bad_input_gets_clear_errors_and_the_workers_keep_serving(four, session_
     shapes = [[list(p.shape) for p in model.parameters()], [[3, 3] for _ in model.parameters()]]
     dtypes = ["float32"] * len(sids[0])
     with pytest.raises(errors.InvalidRequestError, match="replicas hold different models"):
-        group.each(lambda rank, conn: conn.request(
-            m.BroadcastSlots(group.id, sids[rank], shapes[rank], dtypes, 0), expect=m.Ok))
+        group.ask([m.BroadcastSlots(group.id, sids[rank], shapes[rank], dtypes, 0) for rank in range(2)])
     assert all(conn.request(m.Health(), expect=m.HealthReply)[0].name for conn in (c0, c1))
+
+
+def test_a_member_that_does_not_join_in_time_is_named(four, session_for):
+    """Rank 1 is never asked: rank 0's join fails at the deadline with a GroupError naming rank 1."""
+    conn = session_for(four[2]).connections()[0]
+    store = conn.request(m.OpenStore(5.0), expect=m.StoreReply)[0].address
+    assert store.startswith("127.0.0.1:")  # the worker's --group-host (loopback by default)
+    started = time.monotonic()
+    with pytest.raises(errors.GroupError, match=r"rank \[1\] did not join within 2s") as raised:
+        conn.request(m.JoinGroup(77, store, "lonely/", 0, 2, 2.0), expect=m.Ok)
+    assert 2.0 <= time.monotonic() - started < 30.0
+    assert raised.value.remote_traceback is None or "Traceback" not in str(raised.value.message)
+    # a store elsewhere than the worker's group host is refused before anything binds or dials
+    with pytest.raises(errors.InvalidRequestError, match="not on this worker's group host"):
+        conn.request(m.JoinGroup(78, "10.1.2.3:29500", "far/", 0, 2, 2.0), expect=m.Ok)
+    assert conn.request(m.Health(), expect=m.HealthReply)[0].name == "dp2"
 
 
 def test_a_replica_killed_mid_step_is_a_typed_error_then_training_resumes_from_a_checkpoint(

@@ -57,8 +57,7 @@ class Column:
         shapes = [list(t.shape) for t in self.params]
         dtypes = [dtype_name(t.dtype) for t in self.params]
         ids = [self.sids(r) for r in range(len(self.clients))]
-        self.group.each(lambda rank, conn: conn.request(
-            m.BroadcastSlots(self.group.id, ids[rank], shapes, dtypes, 0), expect=m.Ok))
+        self.group.ask([m.BroadcastSlots(self.group.id, ids[rank], shapes, dtypes, 0) for rank in range(len(ids))])
         self.mirrored()
         return True
 
@@ -72,8 +71,7 @@ class Column:
 
     def reduce(self, weight: float, bucket_bytes: int) -> None:
         ids = [self.sids(r) for r in range(len(self.clients))]
-        self.group.each(lambda rank, conn: conn.request(
-            m.ReduceGrads(self.group.id, ids[rank], weight, bucket_bytes), expect=m.Ok))
+        self.group.ask([m.ReduceGrads(self.group.id, ids[rank], weight, bucket_bytes) for rank in range(len(ids))])
 
 
 def each_column(columns: Sequence[Column], call: Callable[[Column], object]) -> list:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 from .. import errors
 from ..client.connection import Connection
+from ..client.link import Launched
 from ..codec import messages as m
 from ..client.pool import run_all
 
@@ -47,24 +48,46 @@ class WorkerGroup:
     def _form(self) -> None:
         store = self.members[0].request(m.OpenStore(self.timeout_s), expect=m.StoreReply)[0].address
         try:
-            self.each(lambda rank, conn: conn.request(
-                m.JoinGroup(self.id, store, self.prefix, rank, self.world, self.timeout_s), expect=m.Ok))
-        except errors.GroupError as exc:
-            raise errors.GroupError(f"the group of {self.world} workers did not form: "
-                                    f"{self.names(exc.ranks) or exc.message} did not join within "
-                                    f"{self.timeout_s:g}s", ranks=exc.ranks) from None
+            self.ask([m.JoinGroup(self.id, store, self.prefix, rank, self.world, self.timeout_s)
+                      for rank in range(self.world)])
+        except errors.GroupError as exc:  # the worker names the ranks missing; here, which worker each is
+            raise errors.GroupError(f"the group of {self.world} workers did not form: {exc.message} "
+                                    f"(ranks: {self.names(range(self.world))})", ranks=exc.ranks) from None
 
-    def each(self, call: Callable[[int, Connection], object]) -> list:
-        """``call(rank, member)`` for every member at once (a collective needs all of them); the results.
+    def ask(self, bodies: Sequence, expect: type = m.Ok) -> list:
+        """Send ``bodies[rank]`` to every member, all before waiting for any (a collective needs every
+        member): each request is posted on its member's link, then the replies are read. The replies,
+        by rank.
 
-        The first failure is raised once every call returned: a typed error of
-        a member that died is preferred to the ``GroupError`` the others see.
+        The first failure is raised once every reply is in: a typed error of a
+        member that died is preferred to the ``GroupError`` the others see.
         After a failure the group is broken (form a new one).
         """
         if self.broken is not None:
             raise errors.GroupError(f"this group broke earlier ({self.broken}); form a new one")
+        if not all(c.link.can_launch for c in self.members):  # a transport that cannot post: a thread each
+            return self._run(lambda: run_all([lambda c=c, b=b: c.request(b, expect=expect)[0]
+                                              for c, b in zip(self.members, bodies)]))
+        replies: list = [None] * self.world
+        sent = []
         try:
-            return run_all([lambda r=r, c=c: call(r, c) for r, c in enumerate(self.members)])
+            for rank, (conn, body) in enumerate(zip(self.members, bodies)):
+                done = Launched(f"{type(body).__name__} to {self.names([rank])}",
+                                lambda reply, _frames, rank=rank: replies.__setitem__(rank, reply), expect)
+                sent.append((conn, conn.link.launch(body, (), done)))
+        finally:  # whatever went out is waited for, so no reply is left behind on a link
+            for conn, done in sent:
+                conn.link.settle(done)
+        failures = [done.error for _, done in sent if done.error is not None]
+        if failures or len(sent) < self.world:
+            failures.sort(key=lambda exc: isinstance(exc, errors.GroupError))
+            self.broken = failures[0] if failures else errors.GroupError("a member could not be asked")
+            raise self.broken
+        return replies
+
+    def _run(self, go: Callable[[], list]) -> list:
+        try:
+            return go()
         except BaseException as exc:
             self.broken = exc
             raise

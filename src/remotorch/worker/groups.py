@@ -21,7 +21,7 @@ import datetime
 import hashlib
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ class _Group:
     rank: int
     world: int
     timeout: datetime.timedelta
+    buffers: dict = field(default_factory=dict)  # slot ids -> bucket index -> the buffer it is reduced in
 
 
 class Groups:
@@ -164,10 +165,28 @@ class Groups:
                 p.grad = torch.zeros_like(p)
             elif not p.grad.is_contiguous():
                 p.grad = p.grad.contiguous()
-        buckets = list(_buckets([p.grad for p in params], max(1, int(bucket_bytes))))
-        # a bucket of one gradient is reduced in place; several are concatenated once, and afterwards
-        # their gradients become views of the reduced buffer (no copy back, as DDP's bucket views)
-        flats = [b[0].view(-1) if len(b) == 1 else torch.cat([t.view(-1) for t in b]) for b in buckets]
+        buckets = list(_buckets([p.grad for p in params], max(1, int(bucket_bytes)), ALONE_BYTES))
+        # A bucket of one gradient (a large one, ALONE_BYTES or more) is reduced in place. Several are gathered into a buffer kept for this
+        # group and these slots (warm memory: no allocation, no page faults each step), reduced there,
+        # and then the gradients are views of it (no copy back, as DDP's gradient-as-bucket-view); a
+        # gradient still such a view from the last step (accumulated in place) is not even copied.
+        kept = g.buffers.setdefault(tuple(slots), {})
+        flats = []
+        for k, bucket in enumerate(buckets):
+            if len(bucket) == 1:
+                flats.append(bucket[0].view(-1))
+                continue
+            n = sum(t.numel() for t in bucket)
+            flat = kept.get(k)
+            if flat is None or flat.numel() != n or flat.dtype != bucket[0].dtype:
+                flat = kept[k] = torch.empty(n, dtype=bucket[0].dtype, device=bucket[0].device)
+            offset = 0
+            for t in bucket:
+                part = flat[offset:offset + t.numel()]
+                if t.data_ptr() != part.data_ptr():
+                    part.copy_(t.view(-1))
+                offset += t.numel()
+            flats.append(flat)
         if weight != 1.0:
             for f in flats:
                 f.mul_(weight)
@@ -224,12 +243,19 @@ def _broadcast_options(root: int):
     return opts
 
 
-def _buckets(tensors: list[torch.Tensor], limit: int):
-    """Consecutive runs of one dtype and device, each at most ``limit`` bytes (a larger tensor alone)."""
+ALONE_BYTES = 1 << 20  # a gradient this large is reduced where it lies: copying it costs more than an op
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int, alone: int = 1 << 62):
+    """Consecutive runs of one dtype and device, each at most ``limit`` bytes; a tensor over ``limit``
+    or of at least ``alone`` bytes makes a bucket by itself (the runs around it go on)."""
     bucket: list[torch.Tensor] = []
     size = 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()
+        if nbytes >= alone:
+            yield [t]
+            continue
         if bucket and (t.dtype != bucket[0].dtype or t.device != bucket[0].device or size + nbytes > limit):
             yield bucket
             bucket, size = [], 0
