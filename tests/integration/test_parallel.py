@@ -103,6 +103,22 @@ def test_two_replicas_train_exactly_as_one_process_on_the_whole_batch(four, sess
     assert int(state["state"]["0.weight"]["step"]) == 3
 
 
+def test_averaging_overlapped_with_backward_trains_the_same(four, session_for):
+    """overlap_before=["2"]: each replica's model in two parts on its worker; the later part's gradients
+    are averaged while the earlier part's backward runs, and nothing changes in the numbers."""
+    model, x, y = mlp(), *batch(16, seed=8)
+    ref = copy.deepcopy(model)
+    expected = reference_steps(ref, x, y, 3)
+    dp = DataParallel(model, session=session_for(four[:2]), loss_fn=F.mse_loss, overlap_before=["2"],
+                      microbatches=2)
+    assert dp.pipe.num_stages == 2 and dp.pipe.overlap
+    torch.testing.assert_close(torch.tensor(train_remote(dp, x, y, 3)), torch.tensor(expected), **TOL)
+    assert set(dp.pipe.last_timing) == {"step_s", "reduce_s"}
+    dp.pull()
+    for got, want in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(got, want, **TOL)
+
+
 def test_two_replicas_by_two_stages_with_1f1b_equal_one_process(four, session_for):
     model, x, y = mlp(width=32, seed=3), *batch(16, seed=4)
     ref = copy.deepcopy(model)

@@ -50,12 +50,15 @@ class BroadcastSlots(msgspec.Struct, frozen=True, tag="broadcast_slots", omit_de
 
 class ReduceGrads(msgspec.Struct, frozen=True, tag="reduce_grads", omit_defaults=True):
     """Each slot's gradient becomes the sum over the members of ``weight`` x theirs (a missing one
-    counts as zeros), all-reduced in buckets of about ``bucket_bytes``."""
+    counts as zeros), all-reduced in buckets of about ``bucket_bytes``. ``wait=False`` starts the
+    reduction and answers at once (it runs while later requests compute); a request with
+    ``wait=True`` (``slots`` may be empty) answers once every reduction of the group is done."""
 
     group: int
     slots: list[int]
     weight: float = 1.0
     bucket_bytes: int = 25 << 20
+    wait: bool = True
 
 
 REQUESTS = (OpenStore, JoinGroup, LeaveGroup, BroadcastSlots, ReduceGrads)

@@ -36,16 +36,23 @@ class DataParallel:
     parts per replica before the all-reduce. ``group_timeout`` (seconds)
     bounds forming the group and every collective; ``bucket_mb`` is the
     all-reduce bucket size.
+
+    ``overlap_before`` (submodule names, as ``Pipeline``'s ``split_before``)
+    cuts each replica's model into parts that stay on its worker, so that
+    the average of a later part's gradients runs while the earlier parts'
+    backward computes (default: none, every gradient averaged after the
+    whole backward; ``benchmarks/data_parallel.py`` measures both).
     """
 
     def __init__(self, model: torch.nn.Module, *, loss_fn: Callable, session: Session | None = None,
                  workers: Sequence[int | str] | None = None, microbatches: int = 1, engine: str = "eager",
-                 group_timeout: float = 60.0, bucket_mb: float = 25.0) -> None:
+                 group_timeout: float = 60.0, bucket_mb: float = 25.0,
+                 overlap_before: Sequence[str] = ()) -> None:
         session = session if session is not None else default_session()
         replicas = len(workers) if workers is not None else len(session.connections())
-        self.pipe = Pipeline(model, [], loss_fn=loss_fn, session=session, schedule="GPipe",
+        self.pipe = Pipeline(model, list(overlap_before), loss_fn=loss_fn, session=session, schedule="GPipe",
                              microbatches=microbatches, engine=engine, replicas=replicas, workers=workers,
-                             group_timeout=group_timeout, bucket_mb=bucket_mb)
+                             group_timeout=group_timeout, bucket_mb=bucket_mb, overlap=bool(overlap_before))
 
     @property
     def model(self) -> torch.nn.Module:

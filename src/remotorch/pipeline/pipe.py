@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from .. import errors
 from ..client.session import Session, default_session
 from ..client.pool import run_all
 from .replicas import Column, each_column
@@ -55,12 +56,16 @@ class Pipeline:
     ``microbatches`` equal parts (an uneven batch is refused, not weighted).
     ``group_timeout`` bounds forming the replicas' groups and each
     collective (seconds); ``bucket_mb`` is the all-reduce bucket size.
+    ``overlap``: start averaging a stage's gradients as soon as its last
+    backward of the step ran, while earlier stages still compute (default:
+    all of them after every backward; ``benchmarks/data_parallel.py``
+    measures both).
     """
 
     def __init__(self, model: torch.nn.Module, split_before: Sequence[str], *, loss_fn: Callable,
                  session: Session | None = None, schedule="1F1B", microbatches: int = 4,
                  engine: str = "eager", replicas: int = 1, workers: Sequence[int | str] | None = None,
-                 group_timeout: float = 60.0, bucket_mb: float = 25.0) -> None:
+                 group_timeout: float = 60.0, bucket_mb: float = 25.0, overlap: bool = False) -> None:
         if microbatches < 1:
             raise ValueError("microbatches must be at least 1")
         if not isinstance(replicas, int) or replicas < 1:
@@ -78,6 +83,7 @@ class Pipeline:
         self.workers = None if workers is None else list(workers)
         self.group_timeout = group_timeout
         self.bucket_bytes = max(1, int(bucket_mb * (1 << 20)))
+        self.overlap = overlap
         self.replica_layouts: list[StageLayout] = []  # replica r's stages (layout is replica 0's)
         self.columns: list[Column] = []  # worker w of every replica, and its group
         self.generation = 0
@@ -164,6 +170,18 @@ class Pipeline:
             self.columns.append(Column(clients, params, timeout_s=self.group_timeout, generation=self.generation))
         each_column(self.columns, Column.sync)
 
+    def _start_reduce(self, replica: int) -> Callable[[int], None] | None:
+        """With ``overlap``: what replica ``replica`` does once a stage's gradients are final."""
+        if not self.overlap or self.replicas == 1:
+            return None
+        layout = self.replica_layouts[replica]
+
+        def start(stage: int) -> None:
+            params = layout.runners[stage].params
+            if params:
+                self.columns[layout.placement[stage]].start(replica, params, self.bucket_bytes)
+        return start
+
     def _make_schedule(self, workers: int):
         from . import builders, schedules
         spec = self.schedule_spec
@@ -213,16 +231,26 @@ class Pipeline:
         # with replicas, each seeds its backward with 1/R of its mean loss's gradient, so the sum the
         # all-reduce makes is the mean over the whole batch (no scaling pass over the gradients)
         runs = [StepRun(layout, self.schedule, leaves[r * n:(r + 1) * n], targets[r * n:(r + 1) * n],
-                        loss_scale=1.0 / self.replicas) for r, layout in enumerate(self.replica_layouts)]
+                        loss_scale=1.0 / self.replicas, grads_done=self._start_reduce(r))
+                for r, layout in enumerate(self.replica_layouts)]
         self.last_step = runs[0]
         started = time.perf_counter()
         if len(runs) == 1:
             loss = runs[0].run()
             self.last_timing = {"step_s": time.perf_counter() - started}
             return loss
-        losses = run_all([run.run for run in runs])
+        try:
+            losses = run_all([run.run for run in runs])
+        except BaseException:
+            if self.overlap:  # reductions may have started on some replicas only: those groups are done for
+                for col in self.columns:
+                    col.group.broken = col.group.broken or errors.GroupError("a step failed mid-way")
+            raise
         reduced = time.perf_counter()
-        each_column(self.columns, lambda col: col.reduce(1.0, self.bucket_bytes))
+        if self.overlap:
+            each_column(self.columns, lambda col: col.finish())
+        else:
+            each_column(self.columns, lambda col: col.reduce(1.0, self.bucket_bytes))
         ended = time.perf_counter()
         self.last_timing = {"step_s": ended - started, "reduce_s": ended - reduced}
         return torch.stack([torch.as_tensor(x) for x in losses]).mean()

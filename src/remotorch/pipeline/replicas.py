@@ -69,6 +69,16 @@ class Column:
                 slot.version, slot.stepped = t._version, False
             client.slots.bound = True
 
+    def start(self, rank: int, params: Sequence[torch.Tensor], bucket_bytes: int) -> None:
+        """Replica ``rank`` starts averaging these parameters' gradients and goes on at once (overlap)."""
+        client = self.clients[rank]
+        ids = [client.claim(t).sid for t in params]
+        client.connection.request(m.ReduceGrads(self.group.id, ids, 1.0, bucket_bytes, wait=False), expect=m.Ok)
+
+    def finish(self) -> None:
+        """Every member waits for the reductions it started (after every replica's last backward)."""
+        self.group.ask([m.ReduceGrads(self.group.id, []) for _ in self.clients])
+
     def reduce(self, weight: float, bucket_bytes: int) -> None:
         ids = [self.sids(r) for r in range(len(self.clients))]
         self.group.ask([m.ReduceGrads(self.group.id, ids[rank], weight, bucket_bytes) for rank in range(len(ids))])

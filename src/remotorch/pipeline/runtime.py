@@ -77,8 +77,12 @@ class StepRun:
     """One ``pipe.step``: microbatches through the schedule on every worker."""
 
     def __init__(self, layout: StageLayout, schedule, leaves: list[list], targets: list[list],
-                 loss_scale: float = 1.0) -> None:
+                 loss_scale: float = 1.0, grads_done: Callable[[int], None] | None = None) -> None:
         self.layout = layout
+        # called (on the stage's worker thread) once a stage's last backward of the step ran: its
+        # parameters' gradients are final (replicas start averaging them while earlier stages compute)
+        self.grads_done = grads_done
+        self._backwards: dict[int, int] = defaultdict(int)
         self.loss_scale = loss_scale  # the gradient seeds are loss_scale / microbatches (replicas: 1/R)
         self.schedule = schedule
         self.leaves, self.targets = leaves, targets
@@ -188,6 +192,9 @@ class StepRun:
         for e in local:
             self.mbs[e.src][mb].tangents[e.output] = kept[e.position]
         ran(t0)
+        self._backwards[stage] += 1  # only this stage's worker thread counts it
+        if self.grads_done is not None and self._backwards[stage] == self.n:
+            self.grads_done(stage)
         self.done[("B", stage, mb)].set()
 
     def _worker(self, worker: int, actions) -> None:

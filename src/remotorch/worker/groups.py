@@ -41,6 +41,7 @@ class _Group:
     world: int
     timeout: datetime.timedelta
     buffers: dict = field(default_factory=dict)  # slot ids -> bucket index -> the buffer it is reduced in
+    pending: list = field(default_factory=list)  # reductions started (wait=False), not yet waited for
 
 
 class Groups:
@@ -155,9 +156,10 @@ class Groups:
                 _unflatten(flat, bucket)
 
     def reduce_grads(self, session: object, group: int, slots: list[int], weight: float,
-                     bucket_bytes: int) -> None:
+                     bucket_bytes: int, wait: bool = True) -> None:
         """Each slot's gradient becomes the sum over members of ``weight`` x their gradient (missing: zeros),
-        reduced in buckets of about ``bucket_bytes``, all in flight at once."""
+        reduced in buckets of about ``bucket_bytes``, all in flight at once. ``wait=False`` returns once
+        they are started; a later call with ``wait=True`` waits for every one started in the group."""
         g = self._group(session, group)
         params = [self.trainables.slot(session, sid) for sid in slots]
         for p in params:
@@ -166,10 +168,11 @@ class Groups:
             elif not p.grad.is_contiguous():
                 p.grad = p.grad.contiguous()
         buckets = list(_buckets([p.grad for p in params], max(1, int(bucket_bytes)), ALONE_BYTES))
-        # A bucket of one gradient (a large one, ALONE_BYTES or more) is reduced in place. Several are gathered into a buffer kept for this
-        # group and these slots (warm memory: no allocation, no page faults each step), reduced there,
-        # and then the gradients are views of it (no copy back, as DDP's gradient-as-bucket-view); a
-        # gradient still such a view from the last step (accumulated in place) is not even copied.
+        # A bucket of one gradient (a large one, ALONE_BYTES or more) is reduced in place. Several are
+        # gathered into a buffer kept for this group and these slots (warm memory: no allocation, no
+        # page faults each step), reduced there, and then the gradients are views of it (no copy back,
+        # as DDP's gradient-as-bucket-view); a gradient still such a view from the last step
+        # (accumulated in place) is not even copied.
         kept = g.buffers.setdefault(tuple(slots), {})
         flats = []
         for k, bucket in enumerate(buckets):
@@ -190,17 +193,25 @@ class Groups:
         if weight != 1.0:
             for f in flats:
                 f.mul_(weight)
-        works = [g.backend.allreduce([f]) for f in flats]
-        for work in works:
-            _wait(g, group, "all-reduce", work)
-        by_grad = {id(p.grad): p for p in params}
-        for flat, bucket in zip(flats, buckets):
-            if len(bucket) > 1:
-                offset = 0
-                for t in bucket:
-                    n = t.numel()
-                    by_grad[id(t)].grad = flat[offset:offset + n].view_as(t)
-                    offset += n
+        g.pending.append(([g.backend.allreduce([f]) for f in flats], flats, buckets, params))
+        if wait:
+            self._finish(g, group)
+
+    def _finish(self, g: _Group, group: int) -> None:
+        """Wait for every reduction started in the group; the reduced gradients become views of their buffers."""
+        pending, g.pending = g.pending, []
+        for works, _, _, _ in pending:
+            for work in works:
+                _wait(g, group, "all-reduce", work)
+        for _, flats, buckets, params in pending:
+            by_grad = {id(p.grad): p for p in params}
+            for flat, bucket in zip(flats, buckets):
+                if len(bucket) > 1:
+                    offset = 0
+                    for t in bucket:
+                        n = t.numel()
+                        by_grad[id(t)].grad = flat[offset:offset + n].view_as(t)
+                        offset += n
 
     def _slot_of_layout(self, session: object, sid: int, shape: list[int], dtype: str) -> torch.Tensor:
         try:

@@ -324,7 +324,7 @@ class Service:
         return _ok()
 
     def _reduce_grads(self, session, req: m.ReduceGrads, frames) -> Reply:
-        self.worker.groups.reduce_grads(session, req.group, req.slots, req.weight, req.bucket_bytes)
+        self.worker.groups.reduce_grads(session, req.group, req.slots, req.weight, req.bucket_bytes, req.wait)
         return _ok()
 
 
