@@ -106,6 +106,18 @@ def buckets_of(model: nn.Module, limit: int) -> list[int]:
     return sizes + [size]
 
 
+def back_to_back(dp, rounds: int = 20) -> list[float]:
+    """The all-reduce alone: the same ReduceGrads on every member, ``rounds`` times in a row, no step
+    between (what raw all_reduce measures); the gradients are summed again each time (not used after)."""
+    col = dp.pipe.columns[0]
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        col.reduce(1.0, dp.pipe.bucket_bytes)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def train(session, model, x, y, steps: int, workers: list[int], overlap_before=()):
     dp = remotorch.parallel.DataParallel(model, session=session, loss_fn=F.mse_loss, workers=workers,
                                          overlap_before=overlap_before)
@@ -124,8 +136,9 @@ def train(session, model, x, y, steps: int, workers: list[int], overlap_before=(
         sent.append(after["bytes_sent"] - before["bytes_sent"])
         received.append(after["bytes_received"] - before["bytes_received"])
     dp.pull()
+    alone = back_to_back(dp) if len(workers) > 1 and not overlap_before else []
     warm = slice(2, None)  # the first steps trace, upload and make the optimizers
-    return dict(losses=losses, step_s=statistics.median(step_s[warm]), reduce_s=reduce_s[warm],
+    return dict(losses=losses, alone_s=alone, step_s=statistics.median(step_s[warm]), reduce_s=reduce_s[warm],
                 sent=statistics.median(sent[warm]), received=statistics.median(received[warm]))
 
 
@@ -196,6 +209,9 @@ def main(argv=None) -> int:
           f"waiting for it after the last backward {statistics.median(lap['reduce_s']) * 1e3:.1f} ms")
     print(f"  all-reduce per step: remotorch {reduce_med * 1e3:7.1f} ms | raw torch.distributed all_reduce "
           f"(gloo, 2 processes, same buckets) {raw_med * 1e3:7.1f} ms | ratio {ratio:.2f}x")
+    alone_med = statistics.median(two["alone_s"])
+    print(f"  all-reduce alone, back to back (no step between, as raw is measured): remotorch "
+          f"{alone_med * 1e3:7.1f} ms | ratio {alone_med / raw_med:.2f}x")
     print(f"  client bytes per steady step: 1 replica sent {one['sent']:,.0f} received {one['received']:,.0f} | "
           f"2 replicas sent {two['sent']:,.0f} received {two['received']:,.0f}")
     print(f"  worker-to-worker bytes per step (ring all-reduce, per worker): {grad_bytes:,} "
