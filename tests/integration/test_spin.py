@@ -132,9 +132,10 @@ def test_a_client_spins_for_its_window_while_its_call_runs_then_waits_asleep(wid
             cpu[spin_us] = time.thread_time() - start
         torch._dynamo.reset()
     # polling through the window costs up to WINDOW of this thread's CPU time (less on a busy host);
-    # without a window the thread sleeps through the call, a millisecond or so
+    # without a window the thread sleeps through the call: a millisecond or so, up to a few tens on a
+    # host that reclaims idle memory (every page the call touches after the sleep faults back in)
     assert cpu[WINDOW * 1e6] >= WINDOW / 5, cpu
-    assert cpu[0] < WINDOW / 10, cpu
+    assert cpu[0] < WINDOW / 5 and cpu[0] < cpu[WINDOW * 1e6] / 4, cpu
 
 
 def test_bad_spin_settings_are_refused(monkeypatch):
