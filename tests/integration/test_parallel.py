@@ -103,6 +103,32 @@ def test_two_replicas_train_exactly_as_one_process_on_the_whole_batch(four, sess
     assert int(state["state"]["0.weight"]["step"]) == 3
 
 
+def test_a_model_trained_inside_with_session_holds_its_values_after_the_block(four):
+    """As a user writes it: no pull, no state_dict; the block's end brings the trained values back."""
+    model, x, y = mlp(seed=11), *batch(16, seed=12)
+    ref = copy.deepcopy(model)
+    reference_steps(ref, x, y, 2)
+    with remotorch.Session([w.url for w in four[:2]], token=four[0].token) as s:
+        dp = DataParallel(model, session=s, loss_fn=F.mse_loss)
+        opt = dp.optimizer(torch.optim.AdamW, lr=1e-2)
+        train_remote(dp, x, y, 2, opt=opt)
+    for got, want in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(got, want, **TOL)
+    assert int(opt.state_dict()["state"]["0.weight"]["step"]) == 2  # the optimizer's state came back too
+
+
+def test_with_no_session_it_trains_on_the_default_worker_as_one_replica():
+    model, x, y = mlp(seed=13), *batch(8, seed=14)
+    ref = copy.deepcopy(model)
+    expected = reference_steps(ref, x, y, 2)
+    dp = DataParallel(model, loss_fn=F.mse_loss)  # session left out: the embedded default worker
+    assert dp.replicas == len(remotorch.default_session().connections()) == 1
+    torch.testing.assert_close(torch.tensor(train_remote(dp, x, y, 2)), torch.tensor(expected), **TOL)
+    dp.pull()
+    for got, want in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(got, want, **TOL)
+
+
 def test_averaging_overlapped_with_backward_trains_the_same(four, session_for):
     """overlap_before=["2"]: each replica's model in two parts on its worker; the later part's gradients
     are averaged while the earlier part's backward runs, and nothing changes in the numbers."""
