@@ -149,10 +149,11 @@ class Groups:
                 p = self._slot_of_layout(session, sid, shape, dtype)
             tensors.append(p.data)
         self._same_layout(g, group, layout)
-        for bucket in _buckets(tensors, 1 << 62):
-            flat = _flatten(bucket)
+        for bucket in _buckets(tensors, 25 << 20, ALONE_BYTES):  # a large parameter in place, small ones packed
+            alone = len(bucket) == 1 and bucket[0].is_contiguous()
+            flat = bucket[0].view(-1) if alone else _flatten(bucket)
             _wait(g, group, "broadcast", g.backend.broadcast([flat], _broadcast_options(root)))
-            if g.rank != root:
+            if g.rank != root and not alone:
                 _unflatten(flat, bucket)
 
     def reduce_grads(self, session: object, group: int, slots: list[int], weight: float,
