@@ -223,6 +223,8 @@ def save_outcome(outcome: Outcome, path: str) -> None:
 
 def load_outcome(path: str) -> Outcome:
     """An outcome this process's own helper wrote (tensors and plain values only: weights_only)."""
+    # client-side dev tool, never on the worker's receive path: a file this process's helper wrote,
+    # read with weights_only=True (tensors and plain values; no pickled code runs)
     data = torch.load(path, weights_only=True)
     return Outcome(data["values"], data["error"], data["fallbacks"], data["seconds"])
 
