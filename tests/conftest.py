@@ -197,6 +197,10 @@ def make_session(server, session_for):
 RAY_TEST_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 os.environ.update(RAY_TEST_ENV)
 
+# No disk cache for the embedded workers of the suite (a per-user folder would carry uploads
+# from one test, or one run, into the next): the cache's own tests name their folders.
+os.environ["REMOTORCH_CACHE_DIR"] = "off"
+
 
 @pytest.fixture(scope="session")
 def ray_local():

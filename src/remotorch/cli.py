@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 
 def _is_loopback(host: str) -> bool:
@@ -86,6 +87,7 @@ def make_server(args: argparse.Namespace, token: str | None = None):
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
+    disk = _disk_cache(args)
     try:
         from .worker.custom_ops import load_allowed
 
@@ -93,7 +95,7 @@ def make_server(args: argparse.Namespace, token: str | None = None):
         engine_names = [e for e in args.engines.split(",") if e] if args.engines else None
         worker = Worker(args.device, name=args.name, price_per_hour=args.price_per_hour,
                         engine_names=engine_names, limits=_limits(args), allow_ops=allow_ops,
-                        group_host=args.group_host)
+                        group_host=args.group_host, disk=disk)
         tls = _tls(args)
     except (ValueError, OSError) as exc:
         raise ServeError(str(exc)) from None
@@ -104,6 +106,27 @@ def make_server(args: argparse.Namespace, token: str | None = None):
                             peer_tls_ca=args.peer_tls_ca)
     except OSError as exc:
         raise ServeError(f"cannot listen: {exc}") from None
+
+
+def _disk_cache(args: argparse.Namespace):
+    """The worker's cache on disk (``--cache-dir``, else ``REMOTORCH_CACHE_DIR``), or None.
+
+    A folder that cannot be written gives a warning and a worker without a cache. TorchInductor's
+    own caches go into it too (this process's ``TORCHINDUCTOR_CACHE_DIR``) when only this user can
+    write there, since inductor unpickles its entries.
+    """
+    from .config import from_env
+    from .worker.disk import DiskCache
+
+    folder = None if args.no_cache else (args.cache_dir or from_env().cache_dir)
+    disk = DiskCache.open(folder, int(args.cache_max_gb * (1 << 30))) if folder else None
+    if disk is not None:
+        why_not = disk.trusted_for_engines()
+        if why_not is None:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(disk.inductor_dir)
+        else:
+            logging.getLogger(__name__).warning("inductor keeps its own cache: %s", why_not)
+    return disk
 
 
 def serve_args(argv: list[str]) -> argparse.Namespace:
@@ -304,6 +327,34 @@ def cmd_deploy_modal(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    from .config import default_cache_dir, from_env
+    from .worker.disk import CacheUnavailable, DiskCache
+
+    folder = args.cache_dir or from_env().cache_dir or str(default_cache_dir())
+    try:
+        disk = DiskCache(folder, max_bytes=1 << 62)
+    except CacheUnavailable as exc:
+        print(f"remotorch cache: {exc.strerror}", file=sys.stderr)
+        return 1
+    if args.action == "clear":
+        print(f"cleared {disk.root}: {_gib(disk.clear())} freed")
+    elif args.action == "du":
+        usage = disk.usage()
+        for part, nbytes in usage.items():
+            print(f"{_gib(nbytes):>12}  {part}")
+        print(f"{_gib(sum(usage.values())):>12}  {disk.root}")
+    else:
+        for e in sorted(disk.entries(), key=lambda e: -e.used):
+            stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.used))
+            print(f"{e.kind:18s} {e.key[:16]}  {_gib(e.nbytes):>12}  {stamp}")
+    return 0
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB" if nbytes < 1 << 30 else f"{nbytes / (1 << 30):.2f} GiB"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="remotorch", description="Run PyTorch graphs on remote workers.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -354,6 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="bytes all sessions and the cache may hold together; default: no limit")
     serve.add_argument("--cache-bytes", type=_size, default=None,
                        help="bytes of objects no session holds kept for re-use, per kind (default 0: freed at once)")
+    serve.add_argument("--cache-dir", default=None, metavar="DIR",
+                       help="keep uploaded weights, graphs and compiled engine artifacts in DIR, so a restarted "
+                            "worker serves them without a new upload (default: $REMOTORCH_CACHE_DIR, else none)")
+    serve.add_argument("--no-cache", action="store_true", help="no disk cache, whatever the environment says")
+    serve.add_argument("--cache-max-gb", type=float, default=20.0,
+                       help="size of the disk cache; least recently used entries go first (default 20)")
     serve.add_argument("--max-message-bytes", type=_size, default=None,
                        help="largest request accepted (header and frames); default: no limit")
     serve.add_argument("--max-graph-bytes", type=_size, default=None,
@@ -418,6 +475,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="$ per hour reported to profiles (default: Modal's list price for the GPU)")
     modal.add_argument("--logs", action="store_true", help="show Modal's image build and container logs")
     modal.set_defaults(fn=cmd_deploy_modal)
+
+    cache = sub.add_parser("cache", help="list, measure or clear a worker's disk cache")
+    cache.add_argument("action", choices=("ls", "du", "clear"))
+    cache.add_argument("--cache-dir", default=None, metavar="DIR",
+                       help="the cache folder (default: $REMOTORCH_CACHE_DIR, else the embedded worker's)")
+    cache.set_defaults(fn=cmd_cache)
 
     demo = sub.add_parser("demo", help="run example models on the embedded worker")
     demo.add_argument("--engine", default="eager")

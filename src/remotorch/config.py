@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -18,13 +20,15 @@ class EnvConfig:
     worker_imports: str | None = None  # modules the embedded worker imports to register them ("m,n")
     tls_ca: str | None = None  # PEM file of the CA (or the one pinned certificate) tls:// workers must have
     progress: bool = True  # progress bars on a terminal (REMOTORCH_PROGRESS=0 turns them off)
+    cache_dir: str | None = None  # the worker's disk cache folder (None: the embedded worker's default)
+    cache_off: bool = False  # REMOTORCH_CACHE_DIR=off: no disk cache, the embedded worker's included
 
 
 def from_env() -> EnvConfig:
     """``REMOTORCH_URL``, ``REMOTORCH_TOKEN``, ``REMOTORCH_TLS_CA``, ``REMOTORCH_SPIN_US``,
     ``REMOTORCH_EMBEDDED_TRANSPORT``, ``REMOTORCH_PROGRESS`` (``0``, ``false``, ``no`` or ``off``:
-    no progress bars), ``REMOTORCH_ALLOW_OPS`` and ``REMOTORCH_WORKER_IMPORTS``, empty values
-    counting as unset.
+    no progress bars), ``REMOTORCH_CACHE_DIR`` (a folder, or ``off``), ``REMOTORCH_ALLOW_OPS`` and
+    ``REMOTORCH_WORKER_IMPORTS``, empty values counting as unset.
 
     The last two are for the embedded worker only (its ``--allow-ops`` and
     ``--import``); ``remotorch serve`` takes them only as flags, so a worker
@@ -35,12 +39,15 @@ def from_env() -> EnvConfig:
     ``remotorch serve``.
     """
     spin_us = parse_spin_us(os.environ.get("REMOTORCH_SPIN_US"), "REMOTORCH_SPIN_US")
+    cache = (os.environ.get("REMOTORCH_CACHE_DIR") or "").strip()
+    cache_off = cache.lower() in ("off", "none", "0", "no", "false")
     return EnvConfig(url=os.environ.get("REMOTORCH_URL") or None,
                      token=os.environ.get("REMOTORCH_TOKEN") or None, spin_us=spin_us,
                      embedded_transport=os.environ.get("REMOTORCH_EMBEDDED_TRANSPORT") or None,
                      allow_ops=os.environ.get("REMOTORCH_ALLOW_OPS") or None,
                      worker_imports=os.environ.get("REMOTORCH_WORKER_IMPORTS") or None,
                      tls_ca=os.environ.get("REMOTORCH_TLS_CA") or None,
+                     cache_dir=None if cache_off else cache or None, cache_off=cache_off,
                      progress=(os.environ.get("REMOTORCH_PROGRESS") or "1").strip().lower()
                      not in ("0", "false", "no", "off"))
 
@@ -57,3 +64,15 @@ def parse_spin_us(value: str | float | None, what: str) -> float | None:
         raise ValueError(f"{what} must be 'auto' or a number of microseconds >= 0, got {value!r}") from None
     return us
 
+
+
+def default_cache_dir() -> Path:
+    """The embedded worker's disk cache: the platform's per-user cache directory + ``remotorch``
+    (``$XDG_CACHE_HOME`` or ``~/.cache`` on Linux, ``~/Library/Caches`` on macOS, ``%LOCALAPPDATA%``
+    on Windows)."""
+    home = Path.home()
+    if sys.platform == "win32":
+        return Path(os.environ.get("LOCALAPPDATA") or home / "AppData" / "Local") / "remotorch" / "Cache"
+    if sys.platform == "darwin":
+        return home / "Library" / "Caches" / "remotorch"
+    return Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache") / "remotorch"

@@ -199,6 +199,15 @@ class Connection:
     def held(self, t: torch.Tensor) -> str | None:
         return self.uploads.held(t)
 
+    def release(self, tid: str) -> None:
+        """Stop holding an upload (dropped by the worker with the next request)."""
+        self.uploads.release(tid)
+
+    def keeps_disk_cache(self) -> bool:
+        """Whether the worker keeps uploads on disk (protocol.md §20): then values worth keeping
+        across its restarts go up by content id."""
+        return self.uploads.disk_cache()
+
     def fetch(self, arg: m.HandleArg | m.ViewArg) -> torch.Tensor:
         """The tensor of a handle (or a view of one) this worker keeps; it stays there."""
         return values.fetch_many(self, [arg])[0]

@@ -101,7 +101,7 @@ class EmbeddedWorker:
 
     def __init__(self, device: str = "auto", *, start_timeout: float = 120.0,
                  transport: str | None = None, spin_us: float | None = None, allow_ops: Sequence[str] = (),
-                 imports: Sequence[str] = ()) -> None:
+                 imports: Sequence[str] = (), cache_dir: str | None = None) -> None:
         self.token = secrets.token_hex(16)
         transport = transport or "unix"
         if transport not in ("unix", "tcp"):
@@ -124,6 +124,7 @@ class EmbeddedWorker:
             args += ["--allow-ops", ",".join(allow_ops)]
         if imports:
             args += ["--import", ",".join(imports)]
+        args += _cache_args(cache_dir)
         try:
             self._worker = spawn_worker(args, env=dict(os.environ, REMOTORCH_TOKEN=self.token,
                                                        PYTHONUNBUFFERED="1"),
@@ -150,6 +151,17 @@ class EmbeddedWorker:
     def stop(self) -> None:
         """Stop the worker process (idempotent)."""
         self._finalizer()
+
+
+def _cache_args(cache_dir: str | None) -> list[str]:
+    """The embedded worker's disk cache: ``cache_dir``, else ``REMOTORCH_CACHE_DIR`` (``off``: none),
+    else the per-user default under the platform's cache directory."""
+    from ..config import default_cache_dir, from_env
+
+    env = from_env()
+    if cache_dir is None and env.cache_off:
+        return ["--no-cache"]
+    return ["--cache-dir", str(cache_dir or env.cache_dir or default_cache_dir())]
 
 
 def _stop(proc: subprocess.Popen, directory: str | None = None) -> None:

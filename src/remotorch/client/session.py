@@ -251,10 +251,11 @@ class Session:
 
     # ------------------------------------------------------------------ queries
     def stats(self) -> dict:
-        """Counters since the session started, over every worker: calls, fallbacks, uploads, bytes,
+        """Counters since the session started, over every worker: calls, fallbacks, uploads (and
+        objects taken from a worker's disk cache instead, ``*_recalled``), bytes,
         values fetched from workers when Python read them, values moved worker to worker."""
         out = dict(remote_calls=0, fallbacks=self._fallbacks, graphs_uploaded=0, tensors_uploaded=0,
-                   remote_ms=0.0, values_fetched=0, values_moved=0, bytes_sent=0, bytes_received=0)
+                   graphs_recalled=0, tensors_recalled=0, remote_ms=0.0, values_fetched=0, values_moved=0, bytes_sent=0, bytes_received=0)
         for conn in self.pool.opened:
             for key, value in conn.stats.as_dict().items():
                 out[key] += value

@@ -16,6 +16,8 @@ class Counters:
     remote_ms: float = 0.0  # the worker's own time running graphs
     graphs_uploaded: int = 0
     tensors_uploaded: int = 0
+    graphs_recalled: int = 0  # taken from the worker's disk cache instead of uploaded (protocol.md §20)
+    tensors_recalled: int = 0
     values_fetched: int = 0  # values read back from the worker when Python used them
     values_moved: int = 0  # values sent worker to worker
 

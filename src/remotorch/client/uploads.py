@@ -7,6 +7,11 @@ the worker holds for the session, names tensors by content id
 some (:meth:`Uploads.forget`, after which the caller builds its request again).
 A warm call hashes nothing: the resident arguments of a graph's last call are
 reused while they are the same tensors at the same versions.
+
+Before uploading, it asks a worker that keeps a disk cache which of those objects
+it still has (``Have``, protocol.md §20), proving for each that it holds the bytes
+(:mod:`remotorch.codec.possession`): a restarted worker then takes a known model
+from its disk instead of the wire.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from .. import errors
-from ..codec import messages as m
+from ..codec import messages as m, possession
 from ..codec.frames import FrameWriter
+from ..codec.tensors import tensor_to_wire
 from .graph import Graph
 from .ids import ContentIds
 from .link import Link
@@ -43,6 +49,7 @@ class Uploads:
         # arguments (weak: a model that goes away takes its weights with it)
         self._last: dict[str, list] = {}
         self.released: list[str] = []  # content ids no longer referenced, for the next Pending
+        self._nonce: bytes | None = None  # the session's possession nonce (b"": the worker keeps no disk cache)
 
     def release(self, tid: str) -> None:
         """The client no longer references this upload (e.g. a buffer's superseded value): the
@@ -55,6 +62,7 @@ class Uploads:
         """The worker lost the session: it holds nothing of ours."""
         self.graphs.clear()
         self.tensors.clear()
+        self._nonce = None
 
     def forget(self, exc: errors.MissingObjectsError) -> bool:
         """Take the worker's word that it lacks these objects; False when one cannot be uploaded again."""
@@ -69,6 +77,11 @@ class Uploads:
         if graph.graph_id in self.graphs:
             return
         p = graph.payload
+        parts = possession.Bytes([p.doc, *p.const_frames])
+        if self._recall(graphs={p.graph_id: parts}):
+            self.graphs.add(graph.graph_id)
+            self.stats.graphs_recalled += 1
+            return
         with self._uploading("a graph", p.const_frames) as advance:
             self.link.request(m.PutGraph(p.graph_id, p.doc, p.consts), p.const_frames, progress=advance,
                               expect=m.Ok)
@@ -120,13 +133,46 @@ class Uploads:
         return tid if tid is not None and tid in self.tensors else None
 
     def upload(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Store tensors on the worker under their content ids (one ``PutTensors``)."""
+        """Store tensors on the worker under their content ids (one ``PutTensors``), except those
+        its disk cache still has."""
+        kept = self._recall(tensors={tid: tensor_to_wire(t, 0)[1] for tid, t in tensors.items()})
+        if kept:
+            self.tensors.update(kept)
+            self.stats.tensors_recalled += len(kept)
+            tensors = {tid: t for tid, t in tensors.items() if tid not in kept}
+            if not tensors:
+                return
         w = FrameWriter()
         metas = [w.meta(t) for t in tensors.values()]
         with self._uploading(f"{len(tensors)} weight tensor(s)", w.frames) as advance:
             self.link.request(m.PutTensors(list(tensors), metas), w.frames, progress=advance, expect=m.Ok)
         self.tensors.update(tensors)
         self.stats.tensors_uploaded += len(tensors)
+
+    def disk_cache(self) -> bool:
+        """Whether the worker keeps a disk cache (asked once per session and worker start)."""
+        if self._nonce is None:
+            try:
+                self._nonce = self.link.request(m.Challenge(), expect=m.ChallengeReply)[0].nonce
+            except errors.ProtocolError:  # a worker without §20
+                self._nonce = b""
+        return bool(self._nonce)
+
+    def _recall(self, graphs: dict | None = None, tensors: dict | None = None) -> set[str]:
+        """The ids of these objects the worker now holds for the session from its disk cache, each
+        proven held here (``graphs``: id -> :class:`~remotorch.codec.possession.Bytes`; ``tensors``:
+        id -> raw bytes); empty when the worker keeps no cache."""
+        if not self.disk_cache():
+            return set()
+        nonce = self._nonce
+
+        def claim(key: str, total: int, read) -> tuple[str, int, bytes]:
+            return key, total, possession.proof(nonce, key, total, read)
+        graph_claims = [claim(k, b.total, b.read) for k, b in (graphs or {}).items()]
+        tensor_claims = [claim(k, buf.nbytes, lambda o, n, buf=buf: bytes(buf[o:o + n]))
+                         for k, buf in (tensors or {}).items()]
+        reply = self.link.request(m.Have(graph_claims, tensor_claims), expect=m.HaveReply)[0]
+        return set(reply.graphs) | set(reply.tensors)
 
     def _uploading(self, what: str, frames: Sequence) -> AbstractContextManager:
         """The ``progress`` hook around an upload of ``frames`` (nothing without a hook)."""

@@ -1,8 +1,7 @@
 """Every message of the remotorch protocol, and nothing else.
 
-A message travels as frame 0 (an msgpack :class:`Envelope`) followed by raw
-buffer frames (tensor bytes, never copied into the header). The envelope
-carries the protocol version; ``docs/protocol.md`` is the normative text.
+A message is frame 0 (an msgpack :class:`Envelope`, with the protocol version) and raw buffer
+frames (tensor bytes, never copied into the header); ``docs/protocol.md`` is the normative text.
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ from typing import Union
 
 import msgspec
 
+from .cache import Challenge, ChallengeReply, Have, HaveReply
 from .groups import BroadcastSlots, JoinGroup, LeaveGroup, OpenStore, ReduceGrads, StoreReply
 
 PROTOCOL_VERSION = 3
@@ -198,6 +198,7 @@ class HealthReply(msgspec.Struct, frozen=True, tag="health_reply", omit_defaults
     price_per_hour: float = 0.0  # $ per hour (``remotorch serve --price-per-hour``), for cost reports
     connections: int = 0  # connections that have sent a request and are open now
     allowed_ops: list[str] = []  # namespaces of custom operators graphs may call (``serve --allow-ops``)
+    disk_cache: dict[str, Union[int, str]] = {}  # ``serve --cache-dir``: folder, bytes, counters (§20)
 
 
 class Ok(msgspec.Struct, frozen=True, tag="ok", omit_defaults=True):
@@ -403,14 +404,15 @@ class Deliver(msgspec.Struct, frozen=True, tag="deliver", omit_defaults=True):
 
 # ------------------------------------------------------------ every message, once
 Request = Union[Health, PutGraph, PutTensors, Run, Echo, Flush,  # core (§8.1)
-                Attach, Heartbeat, Detach,  # sessions (§8.4)
-                ProfileGraph,  # profiling (§8.3)
+                Attach, Heartbeat, Detach, ProfileGraph,  # sessions (§8.4), profiling (§8.3)
                 BindSlots, AccumulateGrads, PullSlots, OptimCreate,  # training (§17)
                 OptimStep, OptimZeroGrad, ClipGradNorm, OptimGetState, OptimSetState,
                 Fetch, ExpectHandles, SendHandles, Deliver,  # values that stay on the worker (§18)
-                OpenStore, JoinGroup, LeaveGroup, BroadcastSlots, ReduceGrads]  # process groups (§19)
+                OpenStore, JoinGroup, LeaveGroup, BroadcastSlots, ReduceGrads,  # process groups (§19)
+                Challenge, Have]  # the disk cache (§20)
 Reply = Union[HealthReply, Ok, RunReply, EchoReply, ErrorReply, AttachReply, ProfileReply,
-              PullReply, NormReply, OptimStateReply, FetchReply, TicketReply, StoreReply]
+              PullReply, NormReply, OptimStateReply, FetchReply, TicketReply, StoreReply,
+              ChallengeReply, HaveReply]
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

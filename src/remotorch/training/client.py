@@ -126,12 +126,16 @@ class TrainingClient:
                 todo.append((t, slot))
         if not todo:
             return
-        w, values = FrameWriter(), []
+        w, values, lent = FrameWriter(), [], []
+        if conn.keeps_disk_cache():  # by content id: a restarted worker takes them from its disk
+            lent = conn.refs([t for t, _ in todo if conn.held(t) is None])
         for t, _ in todo:
             tid = conn.held(t)
             values.append(m.RefArg(tid) if tid is not None else w.tensor(t))
         versions = [t._version for t, _ in todo]
         self.request(m.BindSlots([slot.sid for _, slot in todo], values), w.frames, expect=m.Ok)
+        for tid in lent:  # each slot took its own copy
+            conn.release(tid)
         for (_, slot), version in zip(todo, versions):
             slot.version = version
             slot.stepped = False

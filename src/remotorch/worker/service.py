@@ -11,8 +11,10 @@ calls it for each message; tests may call it in-process.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
+import secrets
 import time
 import traceback
 from collections.abc import Callable
@@ -65,6 +67,7 @@ class Service:
         self.peers = PeerLinks()  # one idle connection per peer worker, for deliveries
         self.peer_timeout_s = 60.0  # a send to another worker: connect and delivery
         self.peer_tls_ca: str | None = None  # CA to check tls:// workers this one sends to
+        self._nonce_key = secrets.token_bytes(32)  # each session's possession nonce derives from it (§20)
 
     # ------------------------------------------------------------------ sessions
     def disconnected(self, cid: int) -> None:
@@ -307,6 +310,20 @@ class Service:
     def _flush(self, session, req: m.Flush, frames) -> Reply:
         return _ok()  # the envelope's housekeeping was applied in _dispatch
 
+    # --------------------------------------------------------------- disk cache (§20)
+    def _nonce(self, session) -> bytes:
+        """This session's nonce for possession proofs: fixed for the session, unknown to others."""
+        return hmac.new(self._nonce_key, repr(session).encode(), hashlib.sha256).digest()[:16]
+
+    def _challenge(self, session, req: m.Challenge, frames) -> Reply:
+        return m.encode(m.ChallengeReply(self._nonce(session) if self.worker.disk is not None else b"")), []
+
+    def _have(self, session, req: m.Have, frames) -> Reply:
+        if len(req.graphs) + len(req.tensors) > 1 << 16:
+            raise LimitExceededError("a Have names at most 65536 objects")
+        graphs, tensors = self.worker.have(session, self._nonce(session), req.graphs, req.tensors)
+        return m.encode(m.HaveReply(graphs, tensors)), []
+
     # ------------------------------------------------------------ process groups (§19)
     def _open_store(self, session, req: m.OpenStore, frames) -> Reply:
         return m.encode(m.StoreReply(self.worker.groups.open_store(session, req.timeout_s))), []
@@ -340,4 +357,5 @@ _HANDLERS: dict[type, Callable[[Service, object, object, list], Reply]] = {
     m.SendHandles: Service._send_handles,
     m.OpenStore: Service._open_store, m.JoinGroup: Service._join_group, m.LeaveGroup: Service._leave_group,
     m.BroadcastSlots: Service._broadcast_slots, m.ReduceGrads: Service._reduce_grads,
+    m.Challenge: Service._challenge, m.Have: Service._have,
 }

@@ -10,6 +10,7 @@ What a session keeps lives in three stores: uploads by content id
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -24,14 +25,16 @@ from typing import TypeVar
 import torch
 
 from ..codec.graph import DecodedGraph, decode_graph, graph_id
-from ..codec import messages as m
+from ..codec import messages as m, possession
 from ..codec.frames import FrameReader
 from ..codec.messages import TensorMeta
-from ..codec.tensors import content_id, dtype_from_name
+from ..codec.tensors import content_id
 from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsError,
                       RemoteOutOfMemoryError, RequestTimeoutError, UnsupportedGraphError, WorkerError)
 from . import engines, quota
 from .deadline import DeadlineExpired, deadline
+from .checks import ArgCheck
+from .disk import DiskCache, valid_id
 from .store import SharedStore
 from .timing import MAX_REPEATS, MAX_WARMUPS, TimedRuns, time_runs
 from .handles import HandleStore, count_bytes
@@ -55,60 +58,22 @@ def resolve_device(spec: str = "auto") -> torch.device:
     return device
 
 
-@dataclass(frozen=True, slots=True)
-class _ArgCheck:
-    """What one graph input must be: a tensor of this dtype and rank with these fixed sizes, or a scalar."""
-
-    kind: str  # "tensor", "scalar" or "any"
-    dtype: torch.dtype | None = None
-    rank: int = 0
-    fixed: tuple = ()  # ((dim, size), ...): the sizes that are not symbolic
-    shape: tuple | None = None  # every size, when none is symbolic (one comparison checks them all)
-
-    def check(self, i: int, v) -> None:
-        if self.kind == "tensor" and type(v) is torch.Tensor and v.dtype == self.dtype and (
-                v.shape == self.shape if self.shape is not None else
-                len(v.shape) == self.rank and all(v.shape[d] == n for d, n in self.fixed)):
-            return  # the common case, in as few steps as possible
-        if self.kind == "any":
-            return
-        if self.kind == "scalar":
-            if isinstance(v, torch.Tensor):
-                raise InvalidRequestError(f"argument {i} must be a scalar")
-            return
-        if not isinstance(v, torch.Tensor):
-            raise InvalidRequestError(f"argument {i} must be a tensor")
-        shape = v.shape
-        if v.dtype != self.dtype or len(shape) != self.rank or any(shape[d] != n for d, n in self.fixed):
-            raise InvalidRequestError(f"argument {i}: expected {self.dtype} of rank {self.rank} with sizes "
-                                      f"{dict(self.fixed)}, got {v.dtype}{list(shape)}")
-
-    @classmethod
-    def of(cls, meta: dict) -> _ArgCheck:
-        """The check for a placeholder of the graph document."""
-        if meta.get("kind") == "tensor":
-            shape = list(meta.get("shape") or [])
-            fixed = tuple((i, d) for i, d in enumerate(shape) if isinstance(d, int))
-            full = tuple(shape) if len(fixed) == len(shape) else None
-            return cls("tensor", dtype_from_name(str(meta.get("dtype"))), len(shape), fixed, full)
-        return cls("scalar" if meta.get("kind") == "scalar" else "any")
-
-
 @dataclass
 class _GraphEntry:
     decoded: DecodedGraph
-    checks: list[_ArgCheck]  # one per argument
+    checks: list[ArgCheck]  # one per argument
     compiled: dict  # engine name -> callable
     lock: threading.Lock
     # per argument: a weak reference to the tensor that last passed its check. The same
     # object passes again without a check (resident weights, call after call); a stored
     # tensor never changes its dtype or sizes here (only its values, in place)
     passed: list
+    gid: str = ""
 
     @classmethod
-    def build(cls, decoded: DecodedGraph) -> _GraphEntry:
-        checks = [_ArgCheck.of(meta) for meta in decoded.inputs]
-        return cls(decoded, checks, {}, threading.Lock(), [None] * len(checks))
+    def build(cls, gid: str, decoded: DecodedGraph) -> _GraphEntry:
+        checks = [ArgCheck.of(meta) for meta in decoded.inputs]
+        return cls(decoded, checks, {}, threading.Lock(), [None] * len(checks), gid)
 
 
 @dataclass(frozen=True)
@@ -148,7 +113,7 @@ class Worker:
     def __init__(self, device: str | torch.device = "auto", *, name: str = "worker",
                  limits: Limits = Limits(), price_per_hour: float = 0.0,
                  engine_names: list[str] | None = None, allow_ops: frozenset[str] = frozenset(),
-                 group_host: str = "127.0.0.1") -> None:
+                 group_host: str = "127.0.0.1", disk: DiskCache | None = None) -> None:
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.name = name
         self.price_per_hour = price_per_hour  # $ per hour of this worker, for cost reports
@@ -167,6 +132,7 @@ class Worker:
         self.groups = Groups(self.trainables, self.device, group_host)  # process groups with other workers
         # namespaces of custom operators graphs may call (registered here: see worker/custom_ops.py)
         self.allow_ops = frozenset(allow_ops)
+        self.disk = disk  # the cache on disk (``serve --cache-dir``): uploads and artifacts across restarts
 
     # ------------------------------------------------------------------ sessions
     def close_session(self, session: object) -> None:
@@ -195,7 +161,8 @@ class Worker:
                 "engines": list(self.engines),
                 "resident_bytes": self._tensors.total_bytes + self.state_bytes(),
                 "cached_bytes": self._tensors.orphan_bytes + self._graphs.orphan_bytes,
-                "price_per_hour": self.price_per_hour, "allowed_ops": sorted(self.allow_ops)}
+                "price_per_hour": self.price_per_hour, "allowed_ops": sorted(self.allow_ops),
+                "disk_cache": {**self.disk.stats(), **engines.cache_counts()} if self.disk else {}}
 
     def memory(self) -> dict:
         """Bytes held by sessions and cached for nobody, per store (graphs count documents and constants)."""
@@ -235,13 +202,20 @@ class Worker:
         if graph_id(doc, consts, frames) != gid:
             raise InvalidRequestError("graph id does not match its content")
         if self._graphs.missing(session, [gid]):
-            self._reserve(session, size)
-            if self._graphs.adopt(session, gid):  # same verified bytes: reuse (compiled engines too)
-                return
-            reader = self.reader(frames)
-            tensors = [reader.tensor(meta) for meta in consts]
-            decoded = decode_graph(doc, tensors, self.device, self.allow_ops)
-            self._graphs.put(session, gid, _GraphEntry.build(decoded), size)
+            self._store_graph(session, gid, doc, consts, frames, size)
+
+    def _store_graph(self, session: object, gid: str, doc: bytes, consts: list[TensorMeta], frames,
+                     size: int) -> None:
+        """Hold a verified graph for the session: adopted if stored, else decoded (and written to disk)."""
+        self._reserve(session, size)
+        if self._graphs.adopt(session, gid):  # same verified bytes: reuse (compiled engines too)
+            return
+        reader = self.reader(frames)
+        tensors = [reader.tensor(meta) for meta in consts]
+        decoded = decode_graph(doc, tensors, self.device, self.allow_ops)
+        self._graphs.put(session, gid, _GraphEntry.build(gid, decoded), size)
+        if self.disk is not None:
+            self.disk.put_graph(gid, doc, consts, frames)
 
     def put_tensors(self, session: object, ids: list[str], metas: list[TensorMeta], frames) -> None:
         """Store resident tensors under their content ids (verified, then moved to the device)."""
@@ -260,10 +234,49 @@ class Worker:
                 raise InvalidRequestError("tensor names a frame the message does not have")
             if content_id(meta, memoryview(frames[meta.frame])) != tid:
                 raise InvalidRequestError(f"tensor id {tid[:16]}… does not match its content")
+            if self.disk is not None:
+                self.disk.put_tensor(tid, meta, frames[meta.frame])
             if self._tensors.adopt(session, tid):
                 continue
             tensor = self.reader(frames).tensor(meta).to(self.device)
             self._tensors.put(session, tid, tensor, tensor.numel() * tensor.element_size())
+
+    # ------------------------------------------------------------ the disk cache
+    def have(self, session: object, nonce: bytes, graphs: list, tensors: list) -> tuple[list[str], list[str]]:
+        """Hold for the session what it proves it has (``[id, bytes, proof]``) and the disk cache
+        keeps, checked against its id; returns the graph ids and content ids now held."""
+        got_graphs = [g[0] for g in graphs if self._recall(session, nonce, "graphs", *g)]
+        got_tensors = [t[0] for t in tensors if self._recall(session, nonce, "tensors", *t)]
+        return got_graphs, got_tensors
+
+    def _recall(self, session: object, nonce: bytes, kind: str, key: str, total: int, claim: bytes) -> bool:
+        store = self._graphs if kind == "graphs" else self._tensors
+        if not store.missing(session, [key]):
+            return True
+        found = self.disk.read_window(kind, key) if self.disk is not None and valid_id(key) else None
+        if found is None or found[0] != total or not hmac.compare_digest(
+                possession.proof(nonce, key, total, found[1]), bytes(claim)):
+            return False  # not kept, or not proven: the client uploads it, as without a cache
+        if kind == "graphs":
+            if total > self.limits.max_graph_bytes:
+                return False
+            if store.adopt(session, key):  # still in memory (compiled engines too)
+                return True
+            graph = self.disk.read_graph(key)
+            if graph is not None:
+                self._store_graph(session, key, *graph, total)
+            return graph is not None
+        if total > self.limits.max_tensor_bytes:
+            return False
+        self._reserve(session, total)
+        if store.adopt(session, key):
+            return True
+        read = self.disk.read_tensor(key)
+        if read is None:
+            return False
+        tensor = self.reader([memoryview(read[1])]).tensor(read[0]).to(self.device)
+        store.put(session, key, tensor, total)
+        return True
 
     def release_tensors(self, session: object, ids) -> None:
         """Drop this session's hold on uploaded tensors (a superseded version of a buffer)."""
@@ -414,7 +427,8 @@ class Worker:
             if fn is not None:
                 return fn, False
             try:
-                fn = engines.load(engine).compile(graph.decoded, self.device, values)
+                artifacts = engines.Artifacts(self.disk, engine, graph.gid) if self.disk else None
+                fn = engines.load(engine).compile(graph.decoded, self.device, values, artifacts=artifacts)
             except Exception as exc:
                 raise UnsupportedGraphError(f"engine {engine} could not compile the graph: "
                                             f"{type(exc).__name__}: {exc}",

@@ -6,11 +6,18 @@ dependencies inside ``compile``, so a worker lists only what really loads.
 
 A name ``base:arg`` is engine ``base`` set up with ``arg`` by its module's
 ``configure(arg)`` (only the debugging engines take one, e.g. ``hold:2.5``).
+
+``compile`` also takes ``artifacts``: an :class:`Artifacts` over the worker's disk
+cache, where an engine may keep what it made of the graph (ONNX models), or None.
+TorchInductor keeps its own caches, pointed into the same folder by the worker's
+command line (:func:`remotorch.cli.make_server`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import sys
 from collections.abc import Callable
 from typing import Protocol
 
@@ -33,7 +40,42 @@ class Engine(Protocol):
 
     def available(self, device: torch.device) -> bool: ...
 
-    def compile(self, graph, device: torch.device, example_args) -> Callable: ...
+    def compile(self, graph, device: torch.device, example_args,
+                artifacts: Artifacts | None = None) -> Callable: ...
+
+
+class Artifacts:
+    """What one engine made of one graph, kept in the worker's disk cache (checked on read).
+
+    ``options`` names everything besides the graph the artifact depends on (library
+    versions, device, settings): the entry's key is a hash of the graph id, the engine
+    and the options.
+    """
+
+    def __init__(self, disk, engine: str, graph_id: str) -> None:
+        self.disk = disk
+        self.engine = engine.partition(":")[0]
+        self.graph_id = graph_id
+
+    def _key(self, options: str) -> str:
+        return hashlib.sha256(f"{self.graph_id}|{self.engine}|{options}".encode()).hexdigest()
+
+    def get(self, options: str) -> bytes | None:
+        return self.disk.read_artifact(self.engine, self._key(options)) if self.graph_id else None
+
+    def put(self, options: str, body: bytes) -> None:
+        if self.graph_id:
+            self.disk.put_artifact(self.engine, self._key(options), body)
+
+
+def cache_counts() -> dict[str, int]:
+    """TorchInductor's own cache hits and misses in this process (FX graphs, AOT autograd)."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return {}
+    counters = sys.modules["torch._dynamo.utils"].counters
+    return {"inductor_hits": counters["inductor"]["fxgraph_cache_hit"],
+            "inductor_misses": counters["inductor"]["fxgraph_cache_miss"],
+            "aot_autograd_hits": counters["aot_autograd"]["autograd_cache_hit"]}
 
 
 def load(name: str) -> Engine:

@@ -9,6 +9,6 @@ def available(device: torch.device) -> bool:
     return True
 
 
-def compile(graph, device: torch.device, example_args):
+def compile(graph, device: torch.device, example_args, artifacts=None):
     module = graph.module.to(device)
     return module.forward

@@ -15,5 +15,5 @@ def available(device: torch.device) -> bool:
     return True
 
 
-def compile(graph, device: torch.device, example_args):
+def compile(graph, device: torch.device, example_args, artifacts=None):
     raise NotImplementedError("the failing engine refuses every graph (a debugging aid)")

@@ -9,7 +9,7 @@ def available(device: torch.device) -> bool:
     return device.type in ("cpu", "cuda")
 
 
-def compile(graph, device: torch.device, example_args):
+def compile(graph, device: torch.device, example_args, artifacts=None):
     module = graph.module.to(device)
     dynamic = any(meta.get("kind") == "scalar" for meta in graph.inputs) or None
     compiled = torch.compile(module, backend="inductor", dynamic=dynamic, fullgraph=True)

@@ -75,12 +75,31 @@ def quiet_exporter() -> None:
             logger.addFilter(_Demote(prefix))
 
 
-def compile(graph, device: torch.device, example_args):
-    import onnxruntime
+def compile(graph, device: torch.device, example_args, artifacts=None):
+    """An ONNX Runtime callable for the graph; the exported model is kept in ``artifacts`` and
+    taken from there next time (export is most of the compile time)."""
+    module = graph.module.to(device).eval()  # nn.Module.eval(): inference mode; no Python eval
+    options = _export_options(graph)
+    model = artifacts.get(options) if artifacts is not None else None
+    if model is None:
+        model = _export(graph, module, example_args)
+        if artifacts is not None:
+            artifacts.put(options, model)
+    return _session(model, module, device, example_args)
 
+
+def _export_options(graph) -> str:
+    """What an exported model depends on besides the graph: the exporter's and ONNX's versions."""
+    from importlib import metadata
+
+    versions = [f"{p}={metadata.version(p)}" for p in ("onnx", "onnxscript")]
+    return "|".join([f"torch={torch.__version__}", *versions, *sorted(graph.custom_ops)])
+
+
+def _export(graph, module, example_args) -> bytes:
+    """The ONNX model of the graph (serialized protobuf: a format ONNX Runtime parses, never unpickles)."""
     quiet_exporter()
     dynamic = _dynamic_shapes(graph.inputs, example_args)
-    module = graph.module.to(device).eval()  # nn.Module.eval(): inference mode; no Python eval
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -93,6 +112,13 @@ def compile(graph, device: torch.device, example_args):
                 root = root.__cause__
             first = str(root).strip().splitlines()[0] if str(root).strip() else ""
             raise OnnxExportError(f"{type(root).__name__}: {first[:300]}") from exc
+    return program.model_proto.SerializeToString()
+
+
+def _session(model: bytes, module, device: torch.device, example_args):
+    """An ONNX Runtime session of ``model``, tried once on the example arguments."""
+    import onnxruntime
+
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
     options.inter_op_num_threads = 1
@@ -101,8 +127,7 @@ def compile(graph, device: torch.device, example_args):
         providers = [("CUDAExecutionProvider", {"device_id": device.index or 0})]
     else:
         providers = ["CPUExecutionProvider"]
-    session = onnxruntime.InferenceSession(program.model_proto.SerializeToString(), options,
-                                           providers=providers)
+    session = onnxruntime.InferenceSession(model, options, providers=providers)
     run = _OrtCallable(session, device, len(example_args))
     with torch.no_grad():
         expected = module(*example_args)

@@ -16,7 +16,7 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("torch_tensorrt") is not None
 
 
-def compile(graph, device: torch.device, example_args):
+def compile(graph, device: torch.device, example_args, artifacts=None):
     import torch_tensorrt
 
     module = graph.module.to(device).eval()  # nn.Module.eval(): inference mode; no Python eval
