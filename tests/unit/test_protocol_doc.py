@@ -64,7 +64,8 @@ def test_the_envelope_and_its_housekeeping_are_documented():
 def test_every_default_is_listed_with_its_value():
     """A sender may leave out a field holding its default (remotorch's own peers do), so a reader of the
     spec must know exactly which fields have one, and which value: §7 lists them, grouped by value."""
-    groups = {"empty array": [], "`0` or `0.0`": 0, "`false`": False, "nil": None, "empty bin": b""}
+    groups = {"empty array": [], "`0` or `0.0`": 0, "`false`": False, "nil": None, "empty bin": b"",
+              "empty map": {}}
     written = {"true": True, "false": False, "nil": None}  # the "others" bullet: `Message.field` (value)
     documented = {}
     for bullet in re.split(r"\n\* ", between("The fields with defaults are:", "Example, a `Run` request"))[1:]:

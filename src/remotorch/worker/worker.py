@@ -245,6 +245,9 @@ class Worker:
     def have(self, session: object, nonce: bytes, graphs: list, tensors: list) -> tuple[list[str], list[str]]:
         """Hold for the session what it proves it has (``[id, bytes, proof]``) and the disk cache
         keeps, checked against its id; returns the graph ids and content ids now held."""
+        bad = [c[0] for c in (*graphs, *tensors) if not valid_id(c[0])]
+        if bad:
+            raise InvalidRequestError(f"{bad[0][:40]!r} is not a content id (lowercase hex)")
         got_graphs = [g[0] for g in graphs if self._recall(session, nonce, "graphs", *g)]
         got_tensors = [t[0] for t in tensors if self._recall(session, nonce, "tensors", *t)]
         return got_graphs, got_tensors
@@ -253,30 +256,21 @@ class Worker:
         store = self._graphs if kind == "graphs" else self._tensors
         if not store.missing(session, [key]):
             return True
-        found = self.disk.read_window(kind, key) if self.disk is not None and valid_id(key) else None
+        found = self.disk.read_window(kind, key) if self.disk is not None else None
         if found is None or found[0] != total or not hmac.compare_digest(
                 possession.proof(nonce, key, total, found[1]), bytes(claim)):
             return False  # not kept, or not proven: the client uploads it, as without a cache
-        if kind == "graphs":
-            if total > self.limits.max_graph_bytes:
-                return False
-            if store.adopt(session, key):  # still in memory (compiled engines too)
-                return True
-            graph = self.disk.read_graph(key)
-            if graph is not None:
-                self._store_graph(session, key, *graph, total)
-            return graph is not None
-        if total > self.limits.max_tensor_bytes:
+        if total > (self.limits.max_graph_bytes if kind == "graphs" else self.limits.max_tensor_bytes):
             return False
         self._reserve(session, total)
-        if store.adopt(session, key):
+        if store.adopt(session, key):  # still in memory (a graph's compiled engines too)
             return True
-        read = self.disk.read_tensor(key)
-        if read is None:
-            return False
-        tensor = self.reader([memoryview(read[1])]).tensor(read[0]).to(self.device)
-        store.put(session, key, tensor, total)
-        return True
+        read = self.disk.read_graph(key) if kind == "graphs" else self.disk.read_tensor(key)
+        if read is not None and kind == "graphs":
+            self._store_graph(session, key, *read, total)
+        elif read is not None:
+            store.put(session, key, self.reader([memoryview(read[1])]).tensor(read[0]).to(self.device), total)
+        return read is not None
 
     def release_tensors(self, session: object, ids) -> None:
         """Drop this session's hold on uploaded tensors (a superseded version of a buffer)."""
