@@ -84,6 +84,8 @@ def spawn_server(*, token: str | None = TOKEN, name: str = "test", extra_args: t
     ``env``: variables added to its (otherwise clean) environment, e.g. ``PYTHONPATH``.
     """
     args = ["--host", "127.0.0.1", "--port", "0", "--name", name, *extra_args]
+    if SUITE_CACHE and "--cache-dir" not in args and "--no-cache" not in args:
+        args += ["--cache-dir", SUITE_CACHE]
     if token is not None:
         args += ["--token", token]
     fd, stderr_path = tempfile.mkstemp(prefix="remotorch-server-", suffix=".log")
@@ -197,9 +199,12 @@ def make_session(server, session_for):
 RAY_TEST_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 os.environ.update(RAY_TEST_ENV)
 
-# No disk cache for the embedded workers of the suite (a per-user folder would carry uploads
-# from one test, or one run, into the next): the cache's own tests name their folders.
-os.environ["REMOTORCH_CACHE_DIR"] = "off"
+# No disk cache for the workers of the suite (a per-user folder would carry uploads from one
+# test, or one run, into the next): the cache's own tests name their folders. With
+# REMOTORCH_TEST_CACHE=1 every worker of the run shares one fresh folder instead, so the whole
+# suite runs through the cache's path (uploads by content id, Have, objects read back from disk).
+SUITE_CACHE = tempfile.mkdtemp(prefix="remotorch-suite-cache-") if os.environ.get("REMOTORCH_TEST_CACHE") else None
+os.environ["REMOTORCH_CACHE_DIR"] = SUITE_CACHE or "off"
 
 
 @pytest.fixture(scope="session")

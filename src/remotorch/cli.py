@@ -3,38 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import signal
 import sys
 import threading
-import time
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def _size(text: str) -> int:
-    """A byte count: an integer with an optional K, M, G or T suffix (powers of 1024)."""
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = text[-1:] if text[-1:] in _UNITS else ""
+    from .config import parse_size
+
     try:
-        value = float(text[:len(text) - len(unit)])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 8G)") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError("a size cannot be negative")
-    return int(value * _UNITS[unit])
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _limits(args: argparse.Namespace):
@@ -68,6 +50,7 @@ def make_server(args: argparse.Namespace, token: str | None = None):
     Used by :func:`cmd_serve` and by :mod:`remotorch.cluster.actor`, so a
     worker in a Ray actor is configured exactly as one on the command line.
     """
+    from .transport.listener import is_loopback
     from .worker.server import WorkerServer
     from .worker import Worker
     from .config import from_env, parse_spin_us
@@ -81,7 +64,7 @@ def make_server(args: argparse.Namespace, token: str | None = None):
         raise ServeError(str(exc)) from None
     if args.unix and not os.path.isabs(args.unix):
         raise ServeError(f"--unix needs an absolute path, got {args.unix!r}")
-    if not args.unix and not _is_loopback(args.host) and not token and not args.insecure:
+    if not args.unix and not is_loopback(args.host) and not token and not args.insecure:
         raise ServeError(f"refusing to listen on {args.host} without a token "
                          "(give --token or REMOTORCH_TOKEN, or --insecure to accept anyone who can reach the port)")
     if args.threads:
@@ -109,24 +92,12 @@ def make_server(args: argparse.Namespace, token: str | None = None):
 
 
 def _disk_cache(args: argparse.Namespace):
-    """The worker's cache on disk (``--cache-dir``, else ``REMOTORCH_CACHE_DIR``), or None.
-
-    A folder that cannot be written gives a warning and a worker without a cache. TorchInductor's
-    own caches go into it too (this process's ``TORCHINDUCTOR_CACHE_DIR``) when only this user can
-    write there, since inductor unpickles its entries.
-    """
+    """The worker's cache on disk (``--cache-dir``, else ``REMOTORCH_CACHE_DIR``), or None."""
     from .config import from_env
-    from .worker.disk import DiskCache
+    from .worker.disk import open_for_worker
 
     folder = None if args.no_cache else (args.cache_dir or from_env().cache_dir)
-    disk = DiskCache.open(folder, int(args.cache_max_gb * (1 << 30))) if folder else None
-    if disk is not None:
-        why_not = disk.trusted_for_engines()
-        if why_not is None:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(disk.inductor_dir)
-        else:
-            logging.getLogger(__name__).warning("inductor keeps its own cache: %s", why_not)
-    return disk
+    return open_for_worker(folder, int(args.cache_max_gb * (1 << 30))) if folder else None
 
 
 def serve_args(argv: list[str]) -> argparse.Namespace:
@@ -187,6 +158,9 @@ def cmd_health(args: argparse.Namespace) -> int:
         if isinstance(value, list):
             value = ", ".join(value) or "none"
         print(f"  {key:14s} {value}")
+    cache = info.get("disk_cache") or {}
+    print(f"  {'disk_cache':14s} " + (f"{cache['dir']}, {cache['bytes']} bytes, {cache['hits']} hits, "
+                                       f"{cache['writes']} writes {cache['problem']}" if cache else "none"))
     return 0
 
 
@@ -244,30 +218,16 @@ def _costs(text: str) -> float | list[float]:
     return values[0] if len(values) == 1 else values
 
 
-def _schedule(args: argparse.Namespace):
-    """The schedule the arguments name: built by name, or read from --file and validated."""
-    from .pipeline import builders, schedules
-
-    if args.file:
-        if args.name:
-            raise schedules.ScheduleError("give a schedule name or --file, not both")
-        with open(args.file, encoding="utf-8") as f:
-            text = f.read()
-        return schedules.validate(schedules.parse(text, name=os.path.basename(args.file), stages=args.stages,
-                                                  microbatches=args.microbatches))
-    if not args.name or args.stages is None or args.microbatches is None:
-        raise schedules.ScheduleError("give a schedule name (one of " + ", ".join(builders.SCHEDULES) +
-                                      ") with --stages and --microbatches, or --file FILE")
-    return builders.build(args.name, args.stages, args.microbatches, chunks=args.chunks, workers=args.workers)
-
-
 def cmd_schedule(args: argparse.Namespace) -> int:
     from .errors import ScheduleError
     from .pipeline import chart
     from .pipeline.simulate import simulate
 
     try:
-        schedule = _schedule(args)
+        from .pipeline.builders import from_args
+
+        schedule = from_args(args.name, file=args.file, stages=args.stages, microbatches=args.microbatches,
+                             chunks=args.chunks, workers=args.workers)
         if args.text:
             print(schedule.text())
             return 0
@@ -301,11 +261,12 @@ def cmd_deploy_modal(args: argparse.Namespace) -> int:
 
     try:
         spec = ModalWorker(gpu=args.gpu or None, timeout=args.timeout, name=args.name, app_name=args.app_name,
-                           port=args.port, price_per_hour=args.price_per_hour)
+                           port=args.port, price_per_hour=args.price_per_hour, volume=args.volume)
     except ValueError as exc:
         print(f"remotorch deploy modal: {exc}", file=sys.stderr)
         return 2
-    print(f"starting a remotorch worker on Modal ({spec.gpu or 'CPU'}, up to {spec.timeout} s)...",
+    cache = f", disk cache on Volume {spec.volume!r}" if spec.volume else ""
+    print(f"starting a remotorch worker on Modal ({spec.gpu or 'CPU'}, up to {spec.timeout} s{cache})...",
           file=sys.stderr, flush=True)
     try:
         with launch(spec, show_output=args.logs) as d:
@@ -329,30 +290,16 @@ def cmd_deploy_modal(args: argparse.Namespace) -> int:
 
 def cmd_cache(args: argparse.Namespace) -> int:
     from .config import default_cache_dir, from_env
-    from .worker.disk import CacheUnavailable, DiskCache
+    from .worker.disk import CacheUnavailable, DiskCache, describe
 
-    folder = args.cache_dir or from_env().cache_dir or str(default_cache_dir())
     try:
-        disk = DiskCache(folder, max_bytes=1 << 62)
+        disk = DiskCache(args.cache_dir or from_env().cache_dir or str(default_cache_dir()), max_bytes=1 << 62)
     except CacheUnavailable as exc:
         print(f"remotorch cache: {exc.strerror}", file=sys.stderr)
         return 1
-    if args.action == "clear":
-        print(f"cleared {disk.root}: {_gib(disk.clear())} freed")
-    elif args.action == "du":
-        usage = disk.usage()
-        for part, nbytes in usage.items():
-            print(f"{_gib(nbytes):>12}  {part}")
-        print(f"{_gib(sum(usage.values())):>12}  {disk.root}")
-    else:
-        for e in sorted(disk.entries(), key=lambda e: -e.used):
-            stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.used))
-            print(f"{e.kind:18s} {e.key[:16]}  {_gib(e.nbytes):>12}  {stamp}")
+    for line in describe(disk, args.action):
+        print(line)
     return 0
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 20):.1f} MiB" if nbytes < 1 << 30 else f"{nbytes / (1 << 30):.2f} GiB"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -473,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     modal.add_argument("--port", type=int, default=7878, help="the worker's port inside the container")
     modal.add_argument("--price-per-hour", type=float, default=None,
                        help="$ per hour reported to profiles (default: Modal's list price for the GPU)")
+    modal.add_argument("--volume", default=None, metavar="NAME",
+                       help="keep the worker's disk cache on this modal.Volume (created if missing): the next run "
+                            "with the same Volume starts warm (default: no disk cache)")
     modal.add_argument("--logs", action="store_true", help="show Modal's image build and container logs")
     modal.set_defaults(fn=cmd_deploy_modal)
 

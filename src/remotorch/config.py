@@ -76,3 +76,19 @@ def default_cache_dir() -> Path:
     if sys.platform == "darwin":
         return home / "Library" / "Caches" / "remotorch"
     return Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache") / "remotorch"
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """A byte count: an integer with an optional K, M, G or T suffix (powers of 1024); ValueError if not."""
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in _UNITS else ""
+    try:
+        value = float(text[:len(text) - len(unit)])
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (e.g. 512M, 8G)") from None
+    if value < 0:
+        raise ValueError("a size cannot be negative")
+    return int(value * _UNITS[unit])

@@ -9,6 +9,9 @@ There is no Modal account on CI machines. What runs here:
   with a fresh self-signed certificate and the client's random token, reached
   over TLS with that certificate pinned, from a fresh process configured
   only by the ``REMOTORCH_*`` lines ``remotorch deploy modal`` prints;
+* a ``volume=`` spec mounts a ``modal.Volume`` at ``/cache``, and two
+  container runs in sequence on one cache folder (standing in for the
+  Volume): the second, a fresh worker, starts warm;
 * ``remotorch deploy modal`` without credentials says so and exits 1.
 
 ``test_live_modal_worker`` starts a real Modal container and runs only where
@@ -32,8 +35,8 @@ import torch
 import remotorch
 from conftest import TOKEN as SERVER_TOKEN, clean_env, closed_port
 from remotorch import errors
-from remotorch.deploy.container import self_signed
-from remotorch.deploy.modal import MODAL_PRICES, ModalWorker, _build, credentials_configured, make_app
+from remotorch.deploy.container import _fingerprint, self_signed
+from remotorch.deploy.modal import CACHE_MOUNT, MODAL_PRICES, ModalWorker, _build, credentials_configured, make_app
 
 from helpers import REPO
 
@@ -60,9 +63,21 @@ def test_make_app_builds_offline():
     names = {p.split("==")[0] for p in packages}
     for requirement in [r for r in metadata.requires("remotorch") if "extra ==" not in r]:
         assert re.split(r"[<>=!~\[ ;]", requirement)[0] in names, requirement
-    for bad in (dict(timeout=5), dict(timeout=25 * 3600), dict(port=0)):
+    for bad in (dict(timeout=5), dict(timeout=25 * 3600), dict(port=0), dict(volume="a/b"), dict(volume="")):
         with pytest.raises(ValueError):
             ModalWorker(**bad)
+
+
+def test_volume_is_mounted_at_cache():
+    import modal
+
+    assert CACHE_MOUNT == "/cache"
+    _, fn = _build(ModalWorker(gpu="T4", volume="rt-cache"))
+    volumes = fn._spec_.volumes  # modal 1.6.4's private spec: {mount path: the Volume's async implementation}
+    assert list(volumes) == ["/cache"]
+    assert isinstance(volumes["/cache"], modal.volume._Volume) and volumes["/cache"].name == "rt-cache"
+    assert not _build(ModalWorker(gpu="T4"))[1]._spec_.volumes
+    assert make_app(gpu=None, volume="rt-cache").name == "remotorch"
 
 
 class LoopbackTunnel:
@@ -78,9 +93,14 @@ class LoopbackTunnel:
         pass
 
 
-@pytest.fixture
-def container_worker(tmp_path):
-    """The app's function run here (``.local()``): a TLS worker; yields (address reply, CA file)."""
+@contextlib.contextmanager
+def run_container(folder, **options):
+    """The app's function run here (``.local()``) until the block ends: a TLS worker; yields (reply, CA file).
+
+    ``options`` go to the function (``cache_dir=``, ``commit=``…). The app is
+    built without a Volume: ``.local()`` has no Volume mounts, and a folder
+    here stands in for the Volume.
+    """
     _, fn = _build(ModalWorker(gpu="A100", timeout=600, name="modal-test", price_per_hour=2.5))
     replies: queue.Queue = queue.Queue()
     stop = threading.Event()
@@ -88,17 +108,26 @@ def container_worker(tmp_path):
     result: list = []
     thread = threading.Thread(target=lambda: result.append(fn.local(
         TOKEN, replies, port=port, name="modal-test", price_per_hour=2.5, bind="127.0.0.1",
-        tunnel=LoopbackTunnel, stop=stop)), daemon=True)
+        tunnel=LoopbackTunnel, stop=stop, **options)), daemon=True)
     thread.start()
     info = replies.get(timeout=120)
-    ca = tmp_path / "worker.pem"
+    ca = folder / "worker.pem"
     ca.write_text(info["cert"])
-    yield info, str(ca)
-    stop.set()
-    thread.join(60)
+    try:
+        yield info, str(ca)
+    finally:
+        stop.set()
+        thread.join(60)
     assert not thread.is_alive() and result == [0]
     with pytest.raises(errors.WorkerUnavailableError):  # the worker stopped with the container's function
         remotorch.Session(info["url"], token=TOKEN, tls_ca=str(ca), connect_timeout=2).health()
+
+
+@pytest.fixture
+def container_worker(tmp_path):
+    """The app's function run here (``.local()``): a TLS worker; yields (address reply, CA file)."""
+    with run_container(tmp_path) as running:
+        yield running
 
 
 def test_container_entry_serves_tls_with_the_certificate_pinned(container_worker, tmp_path):
@@ -126,6 +155,80 @@ def test_container_entry_serves_tls_with_the_certificate_pinned(container_worker
                            timeout=3) as s:
         with pytest.raises(errors.RemoteError):  # plain TCP to a TLS port does not get through
             s.health()
+
+
+def test_second_run_on_the_same_volume_starts_warm(tmp_path, monkeypatch):
+    """Two container runs in sequence on one cache folder: the second, a fresh worker, recalls what the
+    first uploaded, and the folder is committed once its worker stopped."""
+    cache = tmp_path / "volume"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 8)).eval()
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        expected = model(x)
+    runs, commits = [], []
+    for run in range(2):
+        folder = tmp_path / f"run{run}"
+        folder.mkdir()
+        with run_container(folder, cache_dir=str(cache), commit=lambda: commits.append(_fingerprint(cache)),
+                           commit_every=3600) as (info, ca):
+            with remotorch.Session(info["url"], token=TOKEN, tls_ca=ca) as session:
+                torch._dynamo.reset()
+                compiled = torch.compile(model, backend="remotorch", options={"session": session, "fallback": "raise"})
+                with torch.no_grad():
+                    torch.testing.assert_close(compiled(x), expected)
+                stats = session.stats()
+                assert stats["remote_calls"] == 1, stats
+                runs.append(stats)
+        assert commits and commits[-1] == _fingerprint(cache)  # committed after the worker stopped
+    first, second = runs
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert first["bytes_sent"] > weights and first["tensors_uploaded"] > 0, first
+    assert second["tensors_recalled"] > 0 and second["tensors_uploaded"] == 0, second
+    assert second["bytes_sent"] < first["bytes_sent"] / 10, (first, second)
+    # a container without a cache folder runs its worker with --no-cache, whatever the environment says
+    monkeypatch.setenv("REMOTORCH_CACHE_DIR", str(cache))
+    before = _fingerprint(cache)
+    with run_container(tmp_path) as (info, ca), remotorch.Session(info["url"], token=TOKEN, tls_ca=ca) as session:
+        compiled = remotorch.compile(model, session=session, fallback="raise")
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), expected)
+        assert session.stats()["tensors_recalled"] == 0 and session.stats()["tensors_uploaded"] > 0, session.stats()
+    assert _fingerprint(cache) == before
+
+
+def test_cache_commits_once_quiet_and_at_the_end(tmp_path):
+    """The container commits the Volume after a change has settled, never for ``tmp/`` alone, and
+    logs a failed commit instead of stopping (the next change retries)."""
+    import time
+
+    from remotorch.deploy.container import _Committer
+
+    (tmp_path / "tmp").mkdir()
+    calls: list = []
+    committer = _Committer(str(tmp_path), lambda: calls.append(_fingerprint(tmp_path)), every=0.05)
+    (tmp_path / "tensors").mkdir()
+    (tmp_path / "tensors" / "ab").write_bytes(b"x" * 10)
+    time.sleep(0.06)
+    committer.tick()
+    assert calls == []  # changed since the last check: not settled yet
+    time.sleep(0.06)
+    committer.tick()
+    assert calls == [(1, 10, (tmp_path / "tensors" / "ab").stat().st_mtime_ns)]
+    (tmp_path / "tmp" / "half-written").write_bytes(b"y" * 5)
+    committer.final()
+    assert len(calls) == 1
+
+    def fail():
+        raise RuntimeError("no Volume here")
+
+    committer.commit = fail
+    (tmp_path / "tensors" / "cd").write_bytes(b"z")
+    committer.final()  # logged, not raised
+    committer.commit = lambda: calls.append(_fingerprint(tmp_path))
+    committer.final()
+    assert len(calls) == 2 and calls[-1][:2] == (2, 11)
 
 
 def test_printed_connect_lines_configure_a_fresh_process(container_worker, tmp_path):
@@ -157,6 +260,9 @@ def test_deploy_without_credentials_says_what_to_do(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "remotorch", "deploy", "modal", "--timeout", "5"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "timeout must be" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "remotorch", "deploy", "modal", "--volume", "no/slashes"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "volume must be" in bad.stderr
 
 
 def test_gpt2_eval_example_writes_its_files_locally(server, tmp_path):

@@ -135,3 +135,14 @@ def test_the_worker_holds_a_cached_tensor_only_against_a_proof(tmp_path):
     assert torch.equal(restarted.resident_tensor("b", tid).cpu(), t)
     with pytest.raises(Exception, match="does not hold"):
         restarted.resident_tensor("c", tid)  # another session gets nothing for it
+
+
+def test_temporary_files_of_a_killed_writer_are_swept_only_when_old(tmp_path):
+    DiskCache(tmp_path)
+    old, fresh = tmp_path / "tmp" / "abandoned", tmp_path / "tmp" / "in-progress"
+    old.write_bytes(b"x" * 100)
+    fresh.write_bytes(b"y" * 100)
+    long_ago = time.time() - 2 * 3600
+    os.utime(old, (long_ago, long_ago))
+    DiskCache(tmp_path)  # a worker starting on the folder
+    assert not old.exists() and fresh.exists()

@@ -17,6 +17,13 @@ calls:
 * :func:`worker` is :func:`launch` plus a :class:`~remotorch.Session` to the
   worker, closed before the container stops.
 
+With ``volume="NAME"`` (``--volume NAME``) the worker keeps its disk cache
+(``remotorch serve --cache-dir``) on the ``modal.Volume`` NAME, mounted at
+:data:`CACHE_MOUNT` and created on first use: a second run of the same script
+starts warm, since the weights, graphs and compiled artifacts the first run
+left are on the Volume and the client proves it holds them instead of
+uploading them again. Without a Volume the container runs with no disk cache.
+
 ``remotorch deploy modal --gpu A100`` is the same from the command line.
 Needs ``pip install remotorch[modal]`` and Modal credentials (``modal
 setup``); without them :func:`launch` raises
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import secrets
 import sys
 import tempfile
@@ -53,6 +61,10 @@ MODAL_PRICES = {"T4": 0.59, "L4": 0.80, "A10G": 1.10, "L40S": 1.95, "A100": 2.10
 _PINNED = ("msgspec", "numpy", "cryptography", "rich")
 _ENGINE_PACKAGES = ("onnx", "onnxscript")
 
+#: where a Modal worker's Volume is mounted in its container: the worker's ``--cache-dir``
+CACHE_MOUNT = "/cache"
+_VOLUME_NAME = re.compile(r"[A-Za-z0-9._-]{1,63}")  # Modal's rule for object names (modal/_utils/name_utils.py)
+
 
 @dataclass(frozen=True)
 class ModalWorker:
@@ -60,7 +72,9 @@ class ModalWorker:
 
     ``timeout`` (seconds) is the container's lifetime: Modal stops it then.
     ``price_per_hour`` defaults to :data:`MODAL_PRICES` for the GPU (times
-    the count), else 0.
+    the count), else 0. ``volume`` names a ``modal.Volume`` (created if
+    missing) that holds the worker's disk cache at :data:`CACHE_MOUNT`, so
+    the next run with the same Volume starts warm; None: no disk cache.
     """
 
     gpu: str | None = "H100"
@@ -72,12 +86,16 @@ class ModalWorker:
     engines: tuple[str, ...] | None = None
     python: str = field(default_factory=lambda: f"{sys.version_info.major}.{sys.version_info.minor}")
     start_timeout: float = 900.0  # image build and container start included
+    volume: str | None = None
 
     def __post_init__(self) -> None:
         if not 10 <= self.timeout <= 24 * 3600:
             raise ValueError(f"timeout must be 10 s to 24 h (Modal's limit), got {self.timeout}")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port must be 1-65535, got {self.port}")
+        if self.volume is not None and not _VOLUME_NAME.fullmatch(self.volume):
+            raise ValueError(f"volume must be a Modal name (letters, digits, '-', '_', '.'; under 64 characters), "
+                             f"got {self.volume!r}")
 
     @property
     def price(self) -> float:
@@ -107,26 +125,36 @@ def _modal():
 
 
 def _build(spec: ModalWorker):
-    """The App and its one function (kept apart: ``App.registered_functions`` is deprecated)."""
+    """The App and its one function (kept apart: ``App.registered_functions`` is deprecated).
+
+    With ``spec.volume`` the function mounts that Volume at :data:`CACHE_MOUNT`
+    (``Volume.from_name(..., create_if_missing=True)``: a lazy handle, so
+    building still contacts nobody).
+    """
     modal = _modal()
     image = (modal.Image.debian_slim(python_version=spec.python)
              .pip_install(*spec.packages())
              .add_local_python_source("remotorch"))  # the same remotorch source as this client
     app = modal.App(spec.app_name, image=image)
-    fn = app.function(gpu=spec.gpu, timeout=spec.timeout, max_containers=1, serialized=False)(serve_in_container)
+    volumes = {CACHE_MOUNT: modal.Volume.from_name(spec.volume, create_if_missing=True)} if spec.volume else {}
+    fn = app.function(gpu=spec.gpu, timeout=spec.timeout, max_containers=1, serialized=False,
+                      volumes=volumes)(serve_in_container)
     return app, fn
 
 
 def make_app(gpu: str | None = "H100", *, timeout: int = 3600, name: str = "modal", app_name: str = "remotorch",
-             port: int = 7878, price_per_hour: float | None = None):
+             port: int = 7878, price_per_hour: float | None = None, volume: str | None = None):
     """The ``modal.App`` that runs a remotorch worker on ``gpu`` for up to ``timeout`` seconds.
 
     Its one function is :func:`remotorch.deploy.container.serve_in_container`.
-    Nothing is contacted: run it with ``app.run()`` (what :func:`launch`
-    does) or ``modal deploy``.
+    ``volume`` names the ``modal.Volume`` mounted at :data:`CACHE_MOUNT` for
+    the worker's disk cache (see :class:`ModalWorker`); its function then
+    needs ``cache_dir=CACHE_MOUNT, volume=volume`` in its call, as
+    :func:`launch` passes them. Nothing is contacted: run it with
+    ``app.run()`` (what :func:`launch` does) or ``modal deploy``.
     """
     return _build(ModalWorker(gpu=gpu, timeout=timeout, name=name, app_name=app_name, port=port,
-                              price_per_hour=price_per_hour))[0]
+                              price_per_hour=price_per_hour, volume=volume))[0]
 
 
 @dataclass(frozen=True)
@@ -158,7 +186,10 @@ def credentials_configured() -> bool:
 def launch(spec: ModalWorker, *, show_output: bool = False) -> Iterator[Deployment]:
     """Start a worker on Modal for ``spec`` and yield its :class:`Deployment`; stop it when the block ends.
 
-    ``show_output`` shows Modal's image build and container logs.
+    ``show_output`` shows Modal's image build and container logs. With
+    ``spec.volume`` the worker's disk cache is that Volume (mounted at
+    :data:`CACHE_MOUNT`), so what an earlier run uploaded or compiled is
+    there already.
     Raises :class:`~remotorch.errors.WorkerUnavailableError` when Modal
     refuses (no credentials) or the worker does not come up within
     ``spec.start_timeout``.
@@ -177,8 +208,9 @@ def launch(spec: ModalWorker, *, show_output: bool = False) -> Iterator[Deployme
                 f"MODAL_TOKEN_SECRET) first ({exc})") from None
         started = time.time()
         reply = stack.enter_context(modal.Queue.ephemeral())
+        cache = dict(cache_dir=CACHE_MOUNT, volume=spec.volume) if spec.volume else {}
         call = fn.spawn(token, reply, port=spec.port, name=spec.name, price_per_hour=spec.price,
-                        engines=list(spec.engines) if spec.engines else None)
+                        engines=list(spec.engines) if spec.engines else None, **cache)
         stack.callback(_cancel, call)
         info = _await_ready(reply, call, spec.start_timeout)
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="remotorch-modal-")))
@@ -188,16 +220,19 @@ def launch(spec: ModalWorker, *, show_output: bool = False) -> Iterator[Deployme
 
 
 @contextmanager
-def worker(gpu: str | None = "H100", *, timeout: int = 3600, name: str = "modal",
+def worker(gpu: str | None = "H100", *, volume: str | None = None, timeout: int = 3600, name: str = "modal",
            price_per_hour: float | None = None, show_output: bool = False, **session_options) -> Iterator[Session]:
     """A :class:`~remotorch.Session` to a fresh remotorch worker on a Modal ``gpu``.
 
     ``with remotorch.deploy.modal.worker(gpu="H100") as session:`` then
     ``remotorch.compile(model, session=session)``; the session closes and
     the container stops when the block ends (or after ``timeout`` seconds).
+    ``volume="NAME"`` keeps the worker's disk cache on that ``modal.Volume``
+    (created if missing): the second run of the same script starts warm,
+    its weights, graphs and compiled artifacts already on the Volume.
     ``session_options`` go to :class:`~remotorch.Session`.
     """
-    spec = ModalWorker(gpu=gpu, timeout=timeout, name=name, price_per_hour=price_per_hour)
+    spec = ModalWorker(gpu=gpu, timeout=timeout, name=name, price_per_hour=price_per_hour, volume=volume)
     with launch(spec, show_output=show_output) as deployment, deployment.session(**session_options) as session:
         yield session
 

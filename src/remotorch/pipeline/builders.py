@@ -167,3 +167,24 @@ def _unstall(forwards, backwards, nxt_f, nxt_b, ready, run) -> None:
                 log.debug("schedule build: worker %d runs %s out of turn", w, seq[i])
                 return run(w, seq[i])
     raise ScheduleError("internal error: schedule construction stalled")
+
+
+def from_args(name: str | None, *, file: str | None = None, stages: int | None = None,
+              microbatches: int | None = None, chunks: int = 1, workers: int | None = None) -> Schedule:
+    """The schedule ``remotorch schedule`` names: built by ``name``, or read from ``file`` and validated
+    (``ScheduleError`` saying what is missing or wrong; ``OSError`` for a file that cannot be read)."""
+    import os
+
+    from . import schedules
+
+    if file:
+        if name:
+            raise schedules.ScheduleError("give a schedule name or --file, not both")
+        with open(file, encoding="utf-8") as f:
+            text = f.read()
+        return schedules.validate(schedules.parse(text, name=os.path.basename(file), stages=stages,
+                                                  microbatches=microbatches))
+    if not name or stages is None or microbatches is None:
+        raise schedules.ScheduleError("give a schedule name (one of " + ", ".join(SCHEDULES) +
+                                      ") with --stages and --microbatches, or --file FILE")
+    return build(name, stages, microbatches, chunks=chunks, workers=workers)

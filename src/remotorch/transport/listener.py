@@ -19,6 +19,7 @@ fastest, one at a time.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import queue
@@ -44,6 +45,16 @@ Handler = Callable[[int, bytes, list], tuple[bytes, Sequence]]
 # a connection opened with a one-time ticket instead of the token (worker to worker); ticket_id is
 # the hello's ticket for the connection's first message, None for the later ones (each names its own)
 TicketHandler = Callable[[bytes | None, bytes, bytes, list], tuple[bytes, Sequence]]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class TcpServer:

@@ -32,6 +32,7 @@ import secrets
 import shutil
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,7 @@ class DiskCache:
         except OSError as exc:
             raise CacheUnavailable(exc.errno or errno.EIO,
                                    f"cache folder {self.root} cannot be written: {exc.strerror or exc}") from None
+        self._sweep_tmp()
         self._used = self._scan_bytes()
 
     @classmethod
@@ -365,6 +367,17 @@ class DiskCache:
             self.counts["evicted"] += evicted
         return freed
 
+    def _sweep_tmp(self, older_than_s: float = 3600.0) -> None:
+        """Delete temporary files a killed worker left behind (not the fresh ones of a worker
+        writing beside this one)."""
+        now = time.time()
+        for p in (self.root / "tmp").iterdir():
+            try:
+                if now - p.stat().st_mtime > older_than_s:
+                    p.unlink()
+            except OSError:
+                pass
+
     def _scan_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries())
 
@@ -387,3 +400,34 @@ def _folder_bytes(folder: Path) -> int:
                 pass
     return total
 
+
+def describe(disk: DiskCache, action: str) -> list[str]:
+    """``remotorch cache ACTION``: lines listing (``ls``) or measuring (``du``) the entries, or
+    saying what ``clear`` freed (it clears)."""
+    if action == "clear":
+        return [f"cleared {disk.root}: {_size(disk.clear())} freed"]
+    if action == "du":
+        usage = disk.usage()
+        return [*(f"{_size(n):>12}  {part}" for part, n in usage.items()),
+                f"{_size(sum(usage.values())):>12}  {disk.root}"]
+    return [f"{e.kind:18s} {e.key[:16]}  {_size(e.nbytes):>12}  "
+            f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(e.used))}"
+            for e in sorted(disk.entries(), key=lambda e: -e.used)]
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB" if nbytes < 1 << 30 else f"{nbytes / (1 << 30):.2f} GiB"
+
+
+def open_for_worker(folder: str | os.PathLike, max_bytes: int) -> DiskCache | None:
+    """The cache of ``remotorch serve``: opened (None, with a warning, when the folder cannot be
+    written), and TorchInductor's caches pointed into it (this process's ``TORCHINDUCTOR_CACHE_DIR``)
+    when only this user can write there, since inductor unpickles its entries."""
+    disk = DiskCache.open(folder, max_bytes)
+    if disk is not None:
+        why_not = disk.trusted_for_engines()
+        if why_not is None:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(disk.inductor_dir)
+        else:
+            log.warning("inductor keeps its own cache: %s", why_not)
+    return disk
