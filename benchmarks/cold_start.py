@@ -4,6 +4,8 @@ Against real ``remotorch serve`` workers on loopback (``--threads 1``, the
 token in ``REMOTORCH_TOKEN``, ``--cache-dir`` a temporary folder made here),
 for each model, all inference (``model.eval()``, ``torch.no_grad()``):
 
+- **cold, no cache**: a fresh worker with ``--no-cache``, for the cost of
+  writing the cache on a cold start (the row below);
 - **cold**: a fresh worker on an empty cache folder; a new ``Session`` and a
   freshly ``torch.compile``d model (``backend="remotorch"``): every weight
   and graph goes up.
@@ -39,6 +41,9 @@ downloaded; input 1 x 32 tokens, output the logits.
 ``--engine`` picks the worker's engine (``eager``, the default;
 ``inductor``, ``onnxrt``); with ``inductor`` the restarted worker's
 ``health()["disk_cache"]`` shows TorchInductor's own cache hits and misses.
+``--warm-engines inductor`` starts the workers with ``remotorch serve
+--warm-engines``, which loads inductor before the worker listens (its
+start time grows by what the first result saves).
 ``--runs N`` repeats the restart and warm measurements N times (each a new
 worker on the same folder) and reports medians.
 
@@ -106,18 +111,21 @@ def logits(fn, ids: torch.Tensor) -> torch.Tensor:
 class Workers:
     """``remotorch serve`` processes on one cache folder, one at a time; :meth:`close` stops them."""
 
-    def __init__(self, cache_dir: str, token: str) -> None:
+    def __init__(self, cache_dir: str, token: str, warm_engines: str = "") -> None:
         self.cache_dir = cache_dir
+        self.extra = ["--warm-engines", warm_engines] if warm_engines else []
         self.env = dict(os.environ, REMOTORCH_TOKEN=token, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self.env.pop("REMOTORCH_CACHE_DIR", None)
         self.current = None
 
-    def start(self) -> tuple[str, float]:
-        """A new worker on the folder (the previous one stopped first): its URL and start time (s)."""
+    def start(self, cache: bool = True) -> tuple[str, float]:
+        """A new worker on the folder (or with no cache), the previous one stopped first: its URL and
+        start time (s)."""
         self.stop()
         t0 = time.perf_counter()
+        where = ["--cache-dir", self.cache_dir] if cache else ["--no-cache"]
         self.current = spawn_worker(["--host", "127.0.0.1", "--port", "0", "--threads", "1", "--device", "cpu",
-                                     "--name", "cold-start", "--cache-dir", self.cache_dir], env=self.env)
+                                     "--name", "cold-start", *where, *self.extra], env=self.env)
         return self.current.url, time.perf_counter() - t0
 
     def stop(self) -> None:
@@ -182,8 +190,10 @@ def measure(name: str, args, token: str) -> dict:
     capture_alone(model, ids)  # this process's one-time costs (lazy imports), paid by no start below
     capture_s = capture_alone(model, ids)
     folder = tempfile.mkdtemp(prefix="remotorch-cold-start-")  # mode 0700: inductor's cache may live there
-    workers = Workers(folder, token)
+    workers = Workers(folder, token, args.warm_engines)
     try:
+        url, _ = workers.start(cache=False)
+        uncached = first_result(url, token, model, ids, args.engine, expected, warm=False)
         url, cold_start_s = workers.start()
         cold = first_result(url, token, model, ids, args.engine, expected, warm=False)
         restarts, warms, steadies, start_s, caches = [], [], [], [], []
@@ -200,7 +210,7 @@ def measure(name: str, args, token: str) -> dict:
         workers.stop()
         shutil.rmtree(folder, ignore_errors=True)
     return dict(label=label, weight_bytes=weight_bytes, input_bytes=ids.numel() * ids.element_size(),
-                cold=cold["first"], cold_cache=cold["disk_cache"], cold_start_s=cold_start_s,
+                uncached=uncached["first"], cold=cold["first"], cold_cache=cold["disk_cache"], cold_start_s=cold_start_s,
                 restarted=median_row(restarts), warm=median_row(warms), steady=median_row(steadies),
                 restart_start_s=statistics.median(start_s),
                 restart_cache=caches[-1], capture_s=capture_s)
@@ -217,7 +227,7 @@ def report(name: str, r: dict, runs: int) -> list[str]:
     print(head)
     print("  " + "-" * (len(head) - 2))
     wrong = []
-    for row, label in (("cold", "cold"), ("restarted", "restarted-with-cache"), ("warm", "warm (new client)"),
+    for row, label in (("uncached", "cold, no cache"), ("cold", "cold"), ("restarted", "restarted-with-cache"), ("warm", "warm (new client)"),
                        ("steady", "steady (2nd call)")):
         x = r[row]
         st = x["stats"]
@@ -240,6 +250,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="small,gpt2", help="comma-separated: small, gpt2 (default both)")
     ap.add_argument("--engine", default="eager", choices=ENGINES, help="the worker's engine (default eager)")
+    ap.add_argument("--warm-engines", default="", help="the workers' --warm-engines (e.g. inductor)")
     ap.add_argument("--runs", type=int, default=1, help="restart and warm measurements to take the median of")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
@@ -252,7 +263,8 @@ def main(argv=None) -> int:
     token = secrets.token_hex(16)
     t0 = time.perf_counter()
     results = {n: measure(n, args, token) for n in names}
-    print(f"cold start vs restarted-with-cache vs warm, engine {args.engine}, loopback TCP, "
+    print(f"cold start vs restarted-with-cache vs warm, engine {args.engine}"
+          f"{', workers warm ' + args.warm_engines if args.warm_engines else ''}, loopback TCP, "
           f"1 thread per process, {args.runs} run(s)")
     wrong = []
     for n, r in results.items():

@@ -52,7 +52,7 @@ def make_server(args: argparse.Namespace, token: str | None = None):
     """
     from .transport.listener import is_loopback
     from .worker.server import WorkerServer
-    from .worker import Worker
+    from .worker import Worker, engines
     from .config import from_env, parse_spin_us
 
     token = token or args.token or from_env().token
@@ -79,6 +79,7 @@ def make_server(args: argparse.Namespace, token: str | None = None):
         worker = Worker(args.device, name=args.name, price_per_hour=args.price_per_hour,
                         engine_names=engine_names, limits=_limits(args), allow_ops=allow_ops,
                         group_host=args.group_host, disk=disk)
+        engines.prewarm([e for e in (args.warm_engines or "").split(",") if e], worker.device)
         tls = _tls(args)
     except (ValueError, OSError) as exc:
         raise ServeError(str(exc)) from None
@@ -355,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-dir", default=None, metavar="DIR",
                        help="keep uploaded weights, graphs and compiled engine artifacts in DIR, so a restarted "
                             "worker serves them without a new upload (default: $REMOTORCH_CACHE_DIR, else none)")
+    serve.add_argument("--warm-engines", default=None, metavar="E[,E…]", help="load these engines before serving "
+                       "(inductor: the first graph of a restarted worker then loads from the disk cache in 0.2 s, not 3)")
     serve.add_argument("--no-cache", action="store_true", help="no disk cache, whatever the environment says")
     serve.add_argument("--cache-max-gb", type=float, default=20.0,
                        help="size of the disk cache; least recently used entries go first (default 20)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import logging
 import sys
 from collections.abc import Callable
 from typing import Protocol
@@ -70,9 +71,9 @@ class Artifacts:
 
 def cache_counts() -> dict[str, int]:
     """TorchInductor's own cache hits and misses in this process (FX graphs, AOT autograd)."""
-    if "torch._dynamo.utils" not in sys.modules:
+    counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)  # None: not (yet) imported
+    if counters is None:
         return {}
-    counters = sys.modules["torch._dynamo.utils"].counters
     return {"inductor_hits": counters["inductor"]["fxgraph_cache_hit"],
             "inductor_misses": counters["inductor"]["fxgraph_cache_miss"],
             "aot_autograd_hits": counters["aot_autograd"]["autograd_cache_hit"]}
@@ -116,3 +117,22 @@ def available(device: torch.device) -> list[str]:
         except Exception:  # an engine whose dependencies fail to import is just absent
             continue
     return names
+
+
+def prewarm(names, device: torch.device) -> None:
+    """Load engines now, before the worker serves, so the first graph a client sends does not pay for it.
+
+    An engine module may define ``prewarm(device)``; inductor compiles a one-operator function, which
+    imports its compiler and fills the process's first cache lookups (about 3 s here; a restarted
+    worker's first cached graph then loads in a tenth of a second). This runs on the thread that
+    will serve: tried on a background thread, it made the serving thread's next inductor compile
+    skip its frames ("found no compiled frames"), and two threads importing dynamo at once saw
+    each other's half-made modules.
+    """
+    for name in names:
+        try:
+            warm = getattr(load(name), "prewarm", None)
+            if warm is not None:
+                warm(device)
+        except Exception:  # a warm-up is an optimisation: the engine's own compile reports problems
+            logging.getLogger(__name__).warning("warming up engine %s failed", name, exc_info=True)
