@@ -58,7 +58,8 @@ class Pipeline:
     collective (seconds); ``bucket_mb`` is the all-reduce bucket size.
     ``overlap``: start averaging a stage's gradients as soon as its last
     backward of the step ran, while earlier stages still compute (default:
-    all of them after every backward; ``benchmarks/data_parallel.py``
+    each replica starts all of its stages' averaging once its backward is
+    done, without waiting for the other replicas; ``benchmarks/data_parallel.py``
     measures both).
     """
 
@@ -174,13 +175,25 @@ class Pipeline:
         """With ``overlap``: what replica ``replica`` does once a stage's gradients are final."""
         if not self.overlap or self.replicas == 1:
             return None
-        layout = self.replica_layouts[replica]
+        return lambda stage: self._start_stage(replica, stage)
 
-        def start(stage: int) -> None:
-            params = layout.runners[stage].params
-            if params:
-                self.columns[layout.placement[stage]].start(replica, params, self.bucket_bytes)
-        return start
+    def _start_stage(self, replica: int, stage: int) -> None:
+        """Replica ``replica``'s worker for ``stage`` starts averaging the stage's gradients and answers."""
+        layout = self.replica_layouts[replica]
+        params = layout.runners[stage].params
+        if params:
+            self.columns[layout.placement[stage]].start(replica, params, self.bucket_bytes)
+
+    def _replica_step(self, replica: int, run: StepRun, ended: list) -> torch.Tensor:
+        """One replica's forward and backward, then (unless ``overlap`` started them stage by stage)
+        its reductions, started from its own thread at once: the last replica to finish its
+        backward starts the collectives, with no wait for the client to gather the others."""
+        loss = run.run()
+        ended.append(time.perf_counter())
+        if not self.overlap:
+            for stage in range(self.num_stages):
+                self._start_stage(replica, stage)
+        return loss
 
     def _make_schedule(self, workers: int):
         from . import builders, schedules
@@ -239,20 +252,18 @@ class Pipeline:
             loss = runs[0].run()
             self.last_timing = {"step_s": time.perf_counter() - started}
             return loss
+        backwards_ended: list[float] = []
         try:
-            losses = run_all([run.run for run in runs])
-        except BaseException:
-            if self.overlap:  # reductions may have started on some replicas only: those groups are done for
-                for col in self.columns:
-                    col.group.broken = col.group.broken or errors.GroupError("a step failed mid-way")
+            losses = run_all([lambda r=r, run=run: self._replica_step(r, run, backwards_ended)
+                              for r, run in enumerate(runs)])
+        except BaseException:  # reductions may have started on some replicas only: those groups are done for
+            for col in self.columns:
+                col.group.broken = col.group.broken or errors.GroupError("a step failed mid-way")
             raise
-        reduced = time.perf_counter()
-        if self.overlap:
-            each_column(self.columns, lambda col: col.finish())
-        else:
-            each_column(self.columns, lambda col: col.reduce(1.0, self.bucket_bytes))
+        each_column(self.columns, lambda col: col.finish())
         ended = time.perf_counter()
-        self.last_timing = {"step_s": ended - started, "reduce_s": ended - reduced}
+        # the time averaging added to the step: from the last replica's backward to every reduction done
+        self.last_timing = {"step_s": ended - started, "reduce_s": ended - max(backwards_ended)}
         return torch.stack([torch.as_tensor(x) for x in losses]).mean()
 
     def last_timeline(self) -> dict:

@@ -422,7 +422,7 @@ class Worker:
                 return fn, False
             try:
                 artifacts = engines.Artifacts(self.disk, engine, graph.gid) if self.disk else None
-                fn = engines.load(engine).compile(graph.decoded, self.device, values, artifacts=artifacts)
+                fn = engines.compile_graph(engines.load(engine), graph.decoded, self.device, values, artifacts)
             except Exception as exc:
                 raise UnsupportedGraphError(f"engine {engine} could not compile the graph: "
                                             f"{type(exc).__name__}: {exc}",

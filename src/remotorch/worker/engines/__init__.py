@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import logging
 import sys
 from collections.abc import Callable
@@ -67,6 +68,14 @@ class Artifacts:
     def put(self, options: str, body: bytes) -> None:
         if self.graph_id:
             self.disk.put_artifact(self.engine, self._key(options), body)
+
+
+def compile_graph(engine: Engine, graph, device: torch.device, example_args, artifacts: Artifacts | None):
+    """``engine.compile(...)``, with ``artifacts`` only for an engine whose ``compile`` takes them
+    (an engine written before the disk cache takes three arguments, and still works)."""
+    if artifacts is not None and "artifacts" in inspect.signature(engine.compile).parameters:
+        return engine.compile(graph, device, example_args, artifacts=artifacts)
+    return engine.compile(graph, device, example_args)
 
 
 def cache_counts() -> dict[str, int]:
