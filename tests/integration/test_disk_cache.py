@@ -165,8 +165,9 @@ def test_knowing_an_id_is_not_enough(start_server, tmp_path):
         claims = [(tid, 64 * 16 * 4, b"\x00" * 16) for tid in known]
         reply = link.request(m.Have([], claims), expect=m.HaveReply)[0]
         assert reply.tensors == [] and reply.graphs == []
-        with pytest.raises(remotorch.errors.InvalidRequestError):
+        with pytest.raises(remotorch.errors.InvalidRequestError, match="not a content id"):
             link.request(m.Have([], [("../../etc/passwd", 1, b"\x00" * 16)]), expect=m.HaveReply)
+        assert s.health()["disk_cache"]["dir"] == str(tmp_path)  # the same session, served on
 
 
 def inductor_counts(server, settled: int) -> dict:

@@ -77,8 +77,7 @@ class Uploads:
         if graph.graph_id in self.graphs:
             return
         p = graph.payload
-        parts = possession.Bytes([p.doc, *p.const_frames])
-        if self._recall(graphs={p.graph_id: parts}):
+        if self.disk_cache() and self._recall(graphs={p.graph_id: possession.Bytes([p.doc, *p.const_frames])}):
             self.graphs.add(graph.graph_id)
             self.stats.graphs_recalled += 1
             return
@@ -135,7 +134,8 @@ class Uploads:
     def upload(self, tensors: dict[str, torch.Tensor]) -> None:
         """Store tensors on the worker under their content ids (one ``PutTensors``), except those
         its disk cache still has."""
-        kept = self._recall(tensors={tid: tensor_to_wire(t, 0)[1] for tid, t in tensors.items()})
+        kept = self._recall(tensors={tid: tensor_to_wire(t, 0)[1] for tid, t in tensors.items()}) \
+            if self.disk_cache() else set()
         if kept:
             self.tensors.update(kept)
             self.stats.tensors_recalled += len(kept)
