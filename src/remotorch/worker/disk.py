@@ -119,11 +119,6 @@ class DiskCache:
         meta = TensorMeta(meta.dtype, meta.shape, meta.strides, 0)
         return self._write("tensors", tid, _Header("tensor", [meta], [memoryview(data).nbytes]), [data])
 
-    def tensor_size(self, tid: str) -> int | None:
-        """The byte size of a cached tensor's data, without reading it (None: not cached)."""
-        found = self._open_header("tensors", tid)
-        return None if found is None else found[1].sizes[0]
-
     def read_window(self, kind: str, key: str):
         """``(total, read(offset, n))`` over an entry's body, reading only what is asked (None: absent)."""
         found = self._open_header(kind, key)
