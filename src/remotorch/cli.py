@@ -20,7 +20,7 @@ def _size(text: str) -> int:
 
 
 def _limits(args: argparse.Namespace):
-    from .worker.worker import Limits
+    from .worker.quota import Limits
 
     given = {name: getattr(args, name) for name in ("max_tensor_bytes", "max_graph_bytes", "memory_quota",
                                                     "memory_limit", "cache_bytes", "request_timeout")

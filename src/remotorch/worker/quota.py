@@ -1,4 +1,5 @@
-"""Memory accounting for uploads: per-session quota, worker-wide limit, eviction order.
+"""The limits a worker enforces, and memory accounting for uploads: per-session quota,
+worker-wide limit, eviction order.
 
 What a session holds is counted against its quota in full, also when another
 session holds the same content (a session's usage must not depend on what
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +19,18 @@ from ..errors import QuotaExceededError
 from .store import SharedStore
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size, memory and time limits a worker enforces on every request."""
+
+    max_tensor_bytes: int = 1 << 36
+    max_graph_bytes: int = 256 << 20
+    memory_quota: int | None = None  # bytes one session may hold (resident tensors, graphs)
+    memory_limit: int | None = None  # bytes all sessions and the cache may hold together
+    cache_bytes: int = 0  # per store: objects no session holds, kept for re-adoption (0: none)
+    request_timeout: float | None = None  # seconds one graph may run (checked between operators)
 
 
 def reserve(stores: tuple[SharedStore, ...], session: object, nbytes: int, *,

@@ -5,7 +5,9 @@ decodes messages and calls these methods; tests may call them in-process.
 What a session keeps lives in three stores: uploads by content id
 (:mod:`remotorch.worker.store`), values by handle id
 (:mod:`remotorch.worker.handles`), and parameter slots and optimizers
-(:mod:`remotorch.worker.training`).
+(:mod:`remotorch.worker.training`). With a disk cache
+(:mod:`remotorch.worker.disk`) uploads are also kept on disk, and
+:meth:`Worker.have` takes them back for a session that proves it holds them.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsErr
 from . import engines, quota
 from .deadline import DeadlineExpired, deadline
 from .checks import ArgCheck
+from .quota import Limits
 from .disk import DiskCache, valid_id
 from .store import SharedStore
 from .timing import MAX_REPEATS, MAX_WARMUPS, TimedRuns, time_runs
@@ -93,18 +96,6 @@ class _Prepared:
     values: list
     compiled: bool
     compile_ms: float
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Size, memory and time limits a worker enforces on every request."""
-
-    max_tensor_bytes: int = 1 << 36
-    max_graph_bytes: int = 256 << 20
-    memory_quota: int | None = None  # bytes one session may hold (resident tensors, graphs)
-    memory_limit: int | None = None  # bytes all sessions and the cache may hold together
-    cache_bytes: int = 0  # per store: objects no session holds, kept for re-adoption (0: none)
-    request_timeout: float | None = None  # seconds one graph may run (checked between operators)
 
 
 class Worker:
@@ -244,33 +235,41 @@ class Worker:
     # ------------------------------------------------------------ the disk cache
     def have(self, session: object, nonce: bytes, graphs: list, tensors: list) -> tuple[list[str], list[str]]:
         """Hold for the session what it proves it has (``[id, bytes, proof]``) and the disk cache
-        keeps, checked against its id; returns the graph ids and content ids now held."""
+        keeps, checked against its id (tensors read and checked in parallel); the ids now held."""
         bad = [c[0] for c in (*graphs, *tensors) if not valid_id(c[0])]
         if bad:
             raise InvalidRequestError(f"{bad[0][:40]!r} is not a content id (lowercase hex)")
-        got_graphs = [g[0] for g in graphs if self._recall(session, nonce, "graphs", *g)]
-        got_tensors = [t[0] for t in tensors if self._recall(session, nonce, "tensors", *t)]
-        return got_graphs, got_tensors
+        got_graphs = []
+        for key, total, claim in graphs:
+            held = self._claim(session, nonce, "graphs", key, total, claim)
+            read = self.disk.read_graph(key) if held is None else None
+            if read is not None:
+                self._store_graph(session, key, *read, total)
+            if held or read is not None:
+                got_graphs.append(key)
+        held = {t[0]: self._claim(session, nonce, "tensors", *t) for t in tensors}
+        todo = [(key, total) for key, total, _ in tensors if held[key] is None]
+        for (key, total), read in zip(todo, self.disk.read_tensors([k for k, _ in todo]) if todo else ()):
+            if read is not None:
+                self._tensors.put(session, key, self.reader([memoryview(read[1])]).tensor(read[0]).to(self.device),
+                                  total)
+                held[key] = True
+        return got_graphs, [key for key, ok in held.items() if ok]
 
-    def _recall(self, session: object, nonce: bytes, kind: str, key: str, total: int, claim: bytes) -> bool:
+    def _claim(self, session: object, nonce: bytes, kind: str, key: str, total: int, claim: bytes) -> bool | None:
+        """True: the session holds the object now (it did, or it was in memory); False: not kept or not
+        proven (the client uploads it, as without a cache); None: proven, to be read from disk."""
         store = self._graphs if kind == "graphs" else self._tensors
         if not store.missing(session, [key]):
             return True
         found = self.disk.read_window(kind, key) if self.disk is not None else None
         if found is None or found[0] != total or not hmac.compare_digest(
                 possession.proof(nonce, key, total, found[1]), bytes(claim)):
-            return False  # not kept, or not proven: the client uploads it, as without a cache
+            return False
         if total > (self.limits.max_graph_bytes if kind == "graphs" else self.limits.max_tensor_bytes):
             return False
         self._reserve(session, total)
-        if store.adopt(session, key):  # still in memory (a graph's compiled engines too)
-            return True
-        read = self.disk.read_graph(key) if kind == "graphs" else self.disk.read_tensor(key)
-        if read is not None and kind == "graphs":
-            self._store_graph(session, key, *read, total)
-        elif read is not None:
-            store.put(session, key, self.reader([memoryview(read[1])]).tensor(read[0]).to(self.device), total)
-        return read is not None
+        return True if store.adopt(session, key) else None  # still in memory: a graph's engines too
 
     def release_tensors(self, session: object, ids) -> None:
         """Drop this session's hold on uploaded tensors (a superseded version of a buffer)."""
