@@ -108,3 +108,30 @@ def assert_a_value_moves_worker_to_worker(session, first, second) -> None:
         assert session.stats()["values_moved"] == before["values_moved"] + 1
         torch.testing.assert_close(again, z)
     assert session.stats()["fallbacks"] == 0
+
+
+def assert_data_parallel_trains_as_one_process(session, model: torch.nn.Module, x, y, steps: int = 3):
+    """``DataParallel(model)`` on ``session`` against one local process training a copy on the whole
+    batch with AdamW: every step's loss and the pulled parameters equal (1e-4). Returns the
+    DataParallel and what its ``pull`` returned."""
+    import copy
+
+    from torch.nn import functional as F
+
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    dp = remotorch.parallel.DataParallel(model, session=session, loss_fn=F.mse_loss)
+    opt = dp.optimizer(torch.optim.AdamW, lr=1e-2)
+    for _ in range(steps):
+        expected = F.mse_loss(ref(x), y)
+        expected.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        got = dp.step(x, y)
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(got, expected.detach(), rtol=1e-4, atol=1e-4)
+    pulled = dp.pull()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4)
+    return dp, pulled

@@ -10,7 +10,6 @@ the fixture's two CPUs at once.
 
 from __future__ import annotations
 
-import copy
 import os
 import secrets
 import signal
@@ -28,7 +27,7 @@ from remotorch.cluster import RayCluster
 from remotorch.cluster.actor import WorkerActor
 
 from conftest import RAY_TEST_ENV, clean_env, wait_until
-from helpers import assert_a_value_moves_worker_to_worker
+from helpers import assert_a_value_moves_worker_to_worker, assert_data_parallel_trains_as_one_process
 
 transformers = pytest.importorskip("transformers")
 
@@ -121,27 +120,11 @@ def test_a_value_kept_on_worker_0_moves_to_worker_1_inside_the_cluster(cluster):
 
 def test_data_parallel_on_the_cluster_trains_as_one_process(cluster):
     """A RayCluster session works unchanged: the workers' groups meet on their node address (--group-host)."""
-    from torch.nn import functional as F
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    ref = copy.deepcopy(model)
     x, y = torch.randn(8, 8), torch.randn(8, 4)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    dp = remotorch.parallel.DataParallel(model, session=cluster.session, loss_fn=F.mse_loss)
-    opt = dp.optimizer(torch.optim.AdamW, lr=1e-2)
-    for _ in range(3):
-        expected = F.mse_loss(ref(x), y)
-        expected.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        got = dp.step(x, y)
-        opt.step()
-        opt.zero_grad()
-        torch.testing.assert_close(got, expected.detach(), rtol=1e-4, atol=1e-4)
-    assert dp.replicas == 2 and dp.pull() == 4
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4)
+    dp, pulled = assert_data_parallel_trains_as_one_process(cluster.session, model, x, y)
+    assert dp.replicas == 2 and pulled == 4
 
 
 def test_a_sigkilled_worker_is_noticed_through_ray_and_comes_back(cluster):
