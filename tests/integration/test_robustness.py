@@ -177,7 +177,7 @@ def flipped(index: int, body, frames: tuple = ()) -> Callable[[bytes], bytes]:
 # (first byte of frame 0, after the 16-byte fixed part and one length).
 altered_header_after_auth = dropped_after_auth("altered_header_after_auth", flipped(24, m.Health()))
 # Tensor bytes changed in flight (header intact) fail the MAC: dropped unanswered. Both ways of
-# covering buffer frames are tried: inside the HMAC (small frames) and through the Poly1305 tag
+# covering buffer frames are tried: inside the HMAC (small frames) and through the chunk tags
 # (large frames).
 altered_buffer_frame_after_auth = dropped_after_auth("altered_buffer_frame_after_auth", *(
     flipped(-(framing.MAC_SIZE + 10), m.Echo(), (b"\x00" * size,)) for size in (1000, framing.INLINE_MAC + 1)))

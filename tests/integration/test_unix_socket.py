@@ -48,7 +48,7 @@ def test_unix_worker_runs_graphs_and_keeps_weights_resident(sock_path):
             stats = session.stats()
             assert stats["remote_calls"] == 2 and stats["fallbacks"] == 0
             assert stats["tensors_uploaded"] == 4  # two weights, two biases: once
-            big = torch.randn(1 << 20)  # 4 MiB: the streamed, Poly1305-tagged path
+            big = torch.randn(1 << 20)  # 4 MiB: the streamed, chunk-tagged path
             echoed = session.echo([big.numpy()])[0]
             assert bytes(memoryview(echoed)) == big.numpy().tobytes()
     finally:

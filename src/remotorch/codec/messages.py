@@ -13,7 +13,7 @@ import msgspec
 from .cache import Challenge, ChallengeReply, Have, HaveReply
 from .groups import BroadcastSlots, JoinGroup, LeaveGroup, OpenStore, ReduceGrads, StoreReply
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
