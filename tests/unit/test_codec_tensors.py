@@ -210,3 +210,24 @@ def test_content_id_depends_on_dtype_shape_strides_and_bytes():
         t, t.reshape(2, 3), t.reshape(3, 2).t(), t.view(torch.int32), t + 1)}
     assert len(ids) == 5
     assert content_id(*tensor_to_wire(t, 0)) == content_id(*tensor_to_wire(t.clone(), 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64, torch.bool, torch.complex64,
+                                   torch.bfloat16])
+@pytest.mark.parametrize("shape,strides", [([32, 784], [784, 1]), ([], []), ([3, 1], [1, 1]),
+                                           ([3, 1], [1, 5]), ([2, 3], [1, 2]), ([4], [1])])
+def test_received_tensor_views_the_frame_with_the_exact_layout(dtype, shape, strides):
+    """Row-major frames take a numpy fast path; every path gives the meta's exact strides, shares the
+    frame's memory, and is a base of its own (no autograd view, so a graph may write it in place)."""
+    from remotorch.codec.tensors import _ITEMSIZE, tensor_from_wire
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    frame = np.arange(span * _ITEMSIZE[dtype], dtype=np.uint8)
+    t = tensor_from_wire(TensorMeta(dtype_name(dtype), shape, strides, 0), frame)
+    assert t.dtype == dtype and list(t.shape) == shape and list(t.stride()) == strides
+    assert not t._is_view() and not t.requires_grad
+    assert t.untyped_storage().data_ptr() == frame.ctypes.data
+    want = torch.from_numpy(frame.copy()).view(dtype).as_strided(shape, strides)
+    def raw(x):  # the elements' bytes (NaN patterns compare too)
+        return x.contiguous().reshape(-1).view(torch.uint8)
+    assert torch.equal(raw(t), raw(want))
+    t.add_(1) if dtype not in (torch.bool,) else t.logical_not_()  # in place on the frame: allowed

@@ -34,6 +34,7 @@ _ITEMSIZE: dict[torch.dtype, int] = {dt: torch.empty((), dtype=dt).element_size(
 _NUMPY_VIEWABLE = frozenset({torch.float32, torch.float64, torch.float16, torch.int8, torch.int16,
                              torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64,
                              torch.complex128})
+_NUMPY_DTYPE = {dt: torch.empty((), dtype=dt).numpy().dtype for dt in _NUMPY_VIEWABLE}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -108,6 +109,16 @@ def contiguous_strides(shape) -> list[int]:
 _LIMIT = 1 << 62
 
 
+def _row_major(shape, strides) -> bool:
+    """Whether the strides are exactly the contiguous ones of the shape (no size is 0)."""
+    expected = 1
+    for i in range(len(shape) - 1, -1, -1):
+        if strides[i] != expected:
+            return False
+        expected *= shape[i]
+    return True
+
+
 def tensor_from_wire(meta: TensorMeta, buf) -> torch.Tensor:
     """View a received buffer (bytes, memoryview or uint8 ndarray) as the described tensor.
 
@@ -134,6 +145,11 @@ def tensor_from_wire(meta: TensorMeta, buf) -> torch.Tensor:
     arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
     if span * _ITEMSIZE[dtype] != arr.nbytes:
         raise ValueError(f"tensor meta: layout needs {span * _ITEMSIZE[dtype]} bytes, frame has {arr.nbytes}")
+    np_dtype = _NUMPY_DTYPE.get(dtype)
+    if np_dtype is not None and arr.flags.writeable and _row_major(shape, strides):
+        # the common case, several times cheaper: numpy views the frame with the layout, and the
+        # tensor over it is a base of its own (no autograd view), as the general path's detach makes it
+        return torch.from_numpy(arr.view(np_dtype).reshape(shape))
     base = torch.from_numpy(arr) if arr.flags.writeable else torch.frombuffer(bytearray(arr), dtype=torch.uint8)
     base = base.view(dtype) if dtype is not torch.uint8 else base
     # detached: the same memory, but no autograd view of the frame, so a graph output may be

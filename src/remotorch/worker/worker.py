@@ -18,7 +18,6 @@ import threading
 import time
 import traceback
 import weakref
-from contextlib import nullcontext
 from itertools import chain
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -377,9 +376,12 @@ class Worker:
         """Run ``body`` (graph runs) under the request timeout; out of memory evicts what no
         session holds and runs it once more; any failure becomes a typed error."""
         for attempt in range(2):
+            grad, timeout = torch.is_grad_enabled(), self.limits.request_timeout
+            torch._C._set_grad_enabled(False)  # torch.no_grad() without its Python context manager
             try:
-                timeout = self.limits.request_timeout
-                with torch.no_grad(), deadline(timeout) if timeout else nullcontext():
+                if not timeout:
+                    return body()
+                with deadline(timeout):
                     return body()
             except DeadlineExpired:
                 raise RequestTimeoutError(f"graph ran longer than the worker's request timeout of "
@@ -388,6 +390,8 @@ class Worker:
                 if attempt or not quota.is_out_of_memory(exc) or not quota.release_cached(
                         (self._tensors, self._graphs), self.device):
                     raise self._run_error(exc, engine) from None
+            finally:
+                torch._C._set_grad_enabled(grad)
         raise AssertionError("unreachable")
 
     def _call(self, fn, values: list) -> tuple:
