@@ -45,13 +45,18 @@ Printed per model: each system's median and p99 (µs) and its ratio to local
 (for remotorch also the worker's own mean graph time, from ``Session.stats()``);
 remotorch / best peer (the best of pickle/zmq, torch RPC and Ray) and
 (remotorch - local) / (floor - local); and how much of the gap to the
-floor is torch.compile's own (floor compiled / floor). Targets (issue 14), judged on
-remotorch over TCP, on the median of the runs' values (``--runs 3``):
+floor is torch.compile's own (floor compiled / floor). Targets (the hot-path
+issue, 26), judged on remotorch over TCP, on the median of the runs' values
+(``--runs 3``). "Floor compiled" is the fair floor for remotorch's own share:
+what any ``torch.compile`` backend pays is in it too.
 
-- MLP: remotorch <= 0.5 x the best peer;
-- MLP: (remotorch - local) <= 2 x (floor - local);
-- GPT-2: remotorch <= 1.1 x floor;
+- MLP: remotorch <= 1.2 x floor compiled;
+- GPT-2: remotorch <= 1.05 x floor compiled;
+- MLP: remotorch <= 0.7 x the best peer;
 - every model: remotorch's p99 <= 3 x its median.
+
+(remotorch - local) / (floor - local) and remotorch / floor are printed for
+information (issue 14's measures).
 
 The bulk and wire-bytes targets are ``benchmarks/overhead.py``'s (it says
 where); this script does not re-measure them. Exit status: 0 when every
@@ -101,9 +106,9 @@ from _peers.servers import ModelActor, pack, unpack  # noqa: E402
 PEERS = ("pickle/zmq", "torch RPC", "Ray")
 REMOTORCH = ("remotorch tcp", "remotorch unix", "remotorch tcp spin")
 SYSTEMS = ("local", "floor", "floor compiled", *PEERS, *REMOTORCH)
-PEER_TARGET = 0.5  # remotorch / best peer, MLP, TCP
-FLOOR_OVERHEAD_TARGET = 2.0  # (remotorch - local) / (floor - local), MLP
-FLOOR_TARGET = 1.1  # remotorch / floor, GPT-2
+PEER_TARGET = 0.7  # remotorch / best peer, MLP, TCP
+MLP_COMPILED_FLOOR_TARGET = 1.2  # remotorch / floor compiled, MLP
+GPT2_COMPILED_FLOOR_TARGET = 1.05  # remotorch / floor compiled, GPT-2
 TAIL_TARGET = 3.0  # p99 / median, remotorch
 RTOL, ATOL = 1e-4, 1e-4
 # per model: (rounds, calls per system in each round, warm-up calls per system)
@@ -450,10 +455,11 @@ def judge(runs: list[dict]) -> list[dict]:
                 "limit": limit, "pass": value <= limit}
     rt = "remotorch tcp"
     targets = [
-        target("MLP: remotorch / best peer", [r["mlp"]["ratios"][rt]["vs_best_peer"] for r in runs], PEER_TARGET),
-        target("MLP: (remotorch - local) / (floor - local)",
-               [r["mlp"]["ratios"][rt]["overhead_vs_floor_overhead"] for r in runs], FLOOR_OVERHEAD_TARGET),
-        target("GPT-2: remotorch / floor", [r["gpt2"]["ratios"][rt]["vs_floor"] for r in runs], FLOOR_TARGET)]
+        target("MLP: remotorch / floor compiled", [r["mlp"]["ratios"][rt]["vs_compiled_floor"] for r in runs],
+               MLP_COMPILED_FLOOR_TARGET),
+        target("GPT-2: remotorch / floor compiled", [r["gpt2"]["ratios"][rt]["vs_compiled_floor"] for r in runs],
+               GPT2_COMPILED_FLOOR_TARGET),
+        target("MLP: remotorch / best peer", [r["mlp"]["ratios"][rt]["vs_best_peer"] for r in runs], PEER_TARGET)]
     for name in NAMES:
         targets.append(target(f"{name}: remotorch p99 / median",
                               [r[name]["ratios"][rt]["p99_over_median"] for r in runs], TAIL_TARGET))

@@ -54,13 +54,65 @@ def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
     if custom_ops not in CUSTOM_OPS:
         raise ValueError(f"custom_ops must be one of {CUSTOM_OPS}, got {custom_ops!r}")
-    make = functools.partial(_compile_aten, session=session, engine=engine, fallback=fallback, worker=worker)
+    made: list[RemoteGraph] = []  # the graphs aot_autograd makes of this one (with whether each runs direct)
+    make = functools.partial(_compile_aten, session=session, engine=engine, fallback=fallback, worker=worker,
+                             made=made)
     extra = {"decompositions": custom_decompositions()} if custom_ops == "decompose" else {}
     compiled = aot_autograd(fw_compiler=functools.partial(make, static=True, kind="forward"),
                             inference_compiler=functools.partial(make, static=True),
                             bw_compiler=functools.partial(make, static=False, kind="backward"),
                             **extra)(gm, example_inputs)
+    if len(made) == 1 and made[0][1] and not any(True for _ in gm.parameters()) \
+            and not any(True for _ in gm.buffers()):
+        return _placeholders_seen(_direct(made[0][0]))
     return _placeholders_seen(compiled)
+
+
+def _direct(graph: RemoteGraph):
+    """The inference graph called with dynamo's arguments as they are, without aot_autograd's runtime.
+
+    Only for a graph whose runtime would do nothing but call it (see
+    :func:`_runs_direct`): the same arguments in the same order, the same
+    outputs. That runtime costs about 20 µs a call, a tenth of a small
+    model's remote call (``benchmarks/warm_call.py``).
+    """
+    def run(*args):
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # as aot_autograd runs an inference graph
+        try:
+            return graph(list(args))
+        finally:
+            torch._C._set_grad_enabled(grad)
+
+    return run
+
+
+def _runs_direct(gm: torch.fx.GraphModule, example_inputs) -> bool:
+    """Whether aot_autograd's runtime around this inference graph would only call it.
+
+    It would do more for: mutated inputs (copied back), outputs that alias
+    inputs or intermediates (rebuilt from their bases), intermediate bases,
+    outputs marked dynamic, a grad mode the graph changes, functionalized
+    RNG, effect tokens, tensor subclasses, autocast (turned off around the
+    call), and arguments it dedupes or merges (then the graph takes other
+    arguments than dynamo passes).
+    """
+    from torch._functorch._aot_autograd.schemas import OutputType
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx else None
+    if meta is None or torch._C._is_any_autocast_enabled():
+        return False
+    placeholders = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+    return (placeholders == len(example_inputs)
+            and meta.num_mutated_inp_runtime_indices == 0 and meta.num_intermediate_bases == 0
+            and meta.num_outputs_aliased == 0 and not meta.dynamic_outputs
+            and all(o.output_type == OutputType.non_alias for o in meta.output_info)
+            and meta.grad_enabled_mutation is None and not meta.is_rng_op_functionalized
+            and not meta.tokens and not any(mi.mutates_data or mi.mutates_metadata for mi in meta.input_info)
+            and all(type(x).__name__ == "PlainTensorMeta" or isinstance(x, int)
+                    for x in (*meta.subclass_inp_meta, *meta.subclass_fw_graph_out_meta)))
 
 
 def _placeholders_seen(compiled):
@@ -156,7 +208,8 @@ def _aliased_outputs(kind: str, n_outputs: int) -> tuple[frozenset[int], frozens
 
 
 def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: str,
-                  fallback: str, static: bool, kind: str = "inference", worker=None) -> RemoteGraph:
+                  fallback: str, static: bool, kind: str = "inference", worker=None,
+                  made: list | None = None) -> RemoteGraph:
     """aot_autograd compiler hook: wrap one aten graph for remote execution."""
     from ..codec.graph import encode_graph
 
@@ -177,11 +230,14 @@ def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: 
         unsupported = exc
     devices = output_devices(gm)
     must_real, fetch_first = _aliased_outputs(kind, len(devices))
-    return RemoteGraph(payload, runner=runner, engine=engine, fallback=fallback,
-                       resident=_static_indices(example_inputs) if static else [],
-                       output_devices=devices, local=gm.forward, unsupported=unsupported,
-                       kind=kind, saved_from=_saved_from() if kind == "forward" else None,
-                       must_real=must_real, fetch_first=fetch_first, worker=worker)
+    graph = RemoteGraph(payload, runner=runner, engine=engine, fallback=fallback,
+                        resident=_static_indices(example_inputs) if static else [],
+                        output_devices=devices, local=gm.forward, unsupported=unsupported,
+                        kind=kind, saved_from=_saved_from() if kind == "forward" else None,
+                        must_real=must_real, fetch_first=fetch_first, worker=worker)
+    if made is not None:
+        made.append((graph, kind == "inference" and _runs_direct(gm, example_inputs)))
+    return graph
 
 
 def compile(fn, *, session=None, engine: str = "eager", fallback: str = "local", dynamic: bool | None = None,
