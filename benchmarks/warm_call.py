@@ -26,7 +26,10 @@ Phases, in order (client C, worker W):
 - wire + C receive: the worker's end of send to the client holding the reply;
 - C unpack + dynamo out: to the output in the caller's hands.
 
-    python benchmarks/warm_call.py [--calls 2000] [--transport tcp|unix]
+``--model gpt2`` (or ``block``) takes the peer benchmark's other models
+instead (``benchmarks/_peers/models.py``).
+
+    python benchmarks/warm_call.py [--calls 2000] [--transport tcp|unix] [--model mlp|block|gpt2]
 """
 
 from __future__ import annotations
@@ -129,20 +132,26 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--transport", choices=("tcp", "unix"), default="tcp")
+    ap.add_argument("--model", choices=("mlp", "block", "gpt2"), default="mlp")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     token = secrets.token_hex(16)
     folder = tempfile.mkdtemp(prefix="remotorch-warm-call-")
     stamps_path = os.path.join(folder, "stamps.json")
     proc, url = start_worker(args.transport, folder, token, stamps_path)
-    model, x = mlp(), torch.randn(32, 784, generator=torch.Generator().manual_seed(1))
+    if args.model == "mlp":
+        model, x = mlp(), torch.randn(32, 784, generator=torch.Generator().manual_seed(1))
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _peers.models import build_module, example_input
+        model, x = build_module(args.model), example_input(args.model)
     with torch.no_grad():
         want = model(x)
     calls = []
     try:
         with remotorch.Session(url, token=token) as s, torch.no_grad():
             f = remotorch.compile(model, session=s, fallback="raise")
-            for _ in range(300):
+            for _ in range(300 if args.model == "mlp" else 20):
                 f(x).sum()
             conn = s.connection
             mine = client_stamps(conn)
@@ -194,7 +203,8 @@ def main(argv=None) -> int:
         phases["C unpack + dynamo out"].append(t1 - recv[1])
         phases["total"].append(t1 - t0)
     matched = len(phases["total"])
-    print(f"warm call phases: MLP 784-256-10, batch 32, {args.transport}, one thread per process, "
+    what = "MLP 784-256-10, batch 32" if args.model == "mlp" else args.model
+    print(f"warm call phases: {what}, {args.transport}, one thread per process, "
           f"{matched} of {len(calls)} calls matched")
     total = statistics.median(phases["total"])
     for name, values in phases.items():
