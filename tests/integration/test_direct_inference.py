@@ -102,3 +102,32 @@ def test_graphs_that_need_aot_runtime_keep_it_and_match_aot_eager(session, direc
     if fn is returns_view_of_input:
         got[0].mul_(0)  # a view of the caller's input, as in eager
         assert torch.equal(ours[0][1:], torch.zeros(3, 3))
+
+
+def test_module_parameters_aot_puts_first_keep_the_runtime(session, direct_graphs):
+    """A graph module holding its own parameters (the backend called on ``symbolic_trace``'s module):
+    aot_autograd passes them before the caller's arguments, so the aten graph takes more than the
+    caller passes and must not run direct."""
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh()).eval()
+
+    class Tupled(torch.nn.Module):  # aot_autograd takes graphs with tuple outputs, as dynamo makes them
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            return (self.inner(x),)
+    gm = torch.fx.symbolic_trace(Tupled())
+    assert len(list(gm.parameters())) == 2
+    x = torch.randn(3, 6)
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with torch.no_grad():
+        with tracing(TracingContext(FakeTensorMode())):  # as under dynamo: aot_autograd leaves its metadata there
+            compiled = backend.remotorch_backend(gm, [x], session=session, fallback="raise")
+        got = compiled(x)
+        want = model(x)
+    got = got[0] if isinstance(got, (list, tuple)) else got
+    assert torch.allclose(got, want, atol=1e-6)
+    assert direct_graphs == []

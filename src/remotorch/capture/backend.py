@@ -54,7 +54,9 @@ def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
     if custom_ops not in CUSTOM_OPS:
         raise ValueError(f"custom_ops must be one of {CUSTOM_OPS}, got {custom_ops!r}")
-    made: list[RemoteGraph] = []  # the graphs aot_autograd makes of this one (with whether each runs direct)
+    # the graphs aot_autograd makes of this one, each with whether it may run direct and how many
+    # arguments it takes
+    made: list[tuple[RemoteGraph, bool, int]] = []
     make = functools.partial(_compile_aten, session=session, engine=engine, fallback=fallback, worker=worker,
                              made=made)
     extra = {"decompositions": custom_decompositions()} if custom_ops == "decompose" else {}
@@ -62,8 +64,7 @@ def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
                             inference_compiler=functools.partial(make, static=True),
                             bw_compiler=functools.partial(make, static=False, kind="backward"),
                             **extra)(gm, example_inputs)
-    if len(made) == 1 and made[0][1] and not any(True for _ in gm.parameters()) \
-            and not any(True for _ in gm.buffers()):
+    if len(made) == 1 and made[0][1] and made[0][2] == len(example_inputs):  # dynamo's arguments, as they are
         return _placeholders_seen(_direct(made[0][0]))
     return _placeholders_seen(compiled)
 
@@ -87,15 +88,17 @@ def _direct(graph: RemoteGraph):
     return run
 
 
-def _runs_direct(gm: torch.fx.GraphModule, example_inputs) -> bool:
+def _runs_direct() -> bool:
     """Whether aot_autograd's runtime around this inference graph would only call it.
 
     It would do more for: mutated inputs (copied back), outputs that alias
     inputs or intermediates (rebuilt from their bases), intermediate bases,
     outputs marked dynamic, a grad mode the graph changes, functionalized
     RNG, effect tokens, tensor subclasses, autocast (turned off around the
-    call), and arguments it dedupes or merges (then the graph takes other
-    arguments than dynamo passes).
+    call), and arguments it adds, dedupes or merges (a module's own
+    parameters, put before dynamo's; duplicates; aliased inputs): then the
+    graph does not take exactly the arguments dynamo passes, which
+    :func:`remotorch_backend` tells from the count of its placeholders.
     """
     from torch._functorch._aot_autograd.schemas import OutputType
     from torch._guards import TracingContext
@@ -104,9 +107,7 @@ def _runs_direct(gm: torch.fx.GraphModule, example_inputs) -> bool:
     meta = getattr(ctx, "fw_metadata", None) if ctx else None
     if meta is None or torch._C._is_any_autocast_enabled():
         return False
-    placeholders = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
-    return (placeholders == len(example_inputs)
-            and meta.num_mutated_inp_runtime_indices == 0 and meta.num_intermediate_bases == 0
+    return (meta.num_mutated_inp_runtime_indices == 0 and meta.num_intermediate_bases == 0
             and meta.num_outputs_aliased == 0 and not meta.dynamic_outputs
             and all(o.output_type == OutputType.non_alias for o in meta.output_info)
             and meta.grad_enabled_mutation is None and not meta.is_rng_op_functionalized
@@ -236,7 +237,8 @@ def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: 
                         kind=kind, saved_from=_saved_from() if kind == "forward" else None,
                         must_real=must_real, fetch_first=fetch_first, worker=worker)
     if made is not None:
-        made.append((graph, kind == "inference" and _runs_direct(gm, example_inputs)))
+        made.append((graph, kind == "inference" and _runs_direct(),
+                     sum(1 for n in gm.graph.nodes if n.op == "placeholder")))
     return graph
 
 
