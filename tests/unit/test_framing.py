@@ -51,16 +51,11 @@ def frames_of(sizes):
 
 
 def wire_bytes(sizes, seq_messages=1):
-    """The bytes of ``seq_messages`` messages with these frames, as the sender writes them."""
-    sender, _ = pair()
-    out = []
-    for _ in range(seq_messages):
-        pieces = framing._encoded(sender._send_key, sender._send_gmac, sender._send_seq, b"hdr",
-                                  frames_of(sizes))[0]
-        sender._send_seq += 1
-        out.append(b"".join(bytes(memoryview(p).cast("B")) for p in pieces))
-    sender.sock.close()
-    return out
+    """The bytes of ``seq_messages`` messages with these frames, as a client sends them (seq 0, 1, …)."""
+    send_key, _ = framing.direction_keys(KEY, "client")
+    return [b"".join(bytes(memoryview(p).cast("B")) for p in framing.encode_message(send_key, seq, b"hdr",
+                                                                                    frames_of(sizes)))
+            for seq in range(seq_messages)]
 
 
 def receive_all(data: bytes, trickle: int | None = None, max_message=None):
