@@ -64,9 +64,12 @@ def wrap(owner, name, key):
         stamps.append((key, t0, time.perf_counter(), out is not None if key == "poll" else True))
         return out
     setattr(owner, name, wrapped)
-wrap(framing.FramedChannel, "poll", "poll")
-wrap(framing.FramedChannel, "queue", "queue")
-wrap(framing.FramedChannel, "flush", "flush")
+init = framing.FramedChannel.__init__
+def channel_init(self, *a, **k):  # per channel: the compiled framing's methods are the instance's own
+    init(self, *a, **k)
+    for name in ("poll", "queue", "flush"):
+        wrap(self, name, name)
+framing.FramedChannel.__init__ = channel_init
 wrap(worker_mod.Worker, "_call", "graph")
 wrap(service.Service, "handle", "handle")
 def dump():

@@ -11,7 +11,10 @@
 #      A bare `torch` requirement resolved by pip from another package would
 #      pull the newest CUDA build (several GB), so torch is never left for pip
 #      to pick: it is installed explicitly and pinned by a constraint after;
-#   3. pip install -e ".[test]" under that constraint.
+#   3. pip install -e ".[test]" under that constraint. This also builds the
+#      compiled framing (setup.py: src/remotorch/transport/_cframing.c, linked
+#      with OpenSSL's libcrypto) in place; where it cannot be built the install
+#      goes on and the pure-Python framing is used.
 # A stamp file (.venv/.remotorch-setup) holds a hash of pyproject.toml, the
 # torch pin and the repository path; when it matches, pip is not run at all.
 #
@@ -58,7 +61,9 @@ _remotorch_setup() {
         stamp_file="$venv/.remotorch-setup"
     fi
 
-    want="$( { cat "$repo/pyproject.toml"; echo "$torch_req"; echo "$repo"; echo "$py"; } \
+    # (setup.py and the C source too: a changed extension is rebuilt)
+    want="$( { cat "$repo/pyproject.toml" "$repo/setup.py" "$repo/src/remotorch/transport/_cframing.c"; \
+               echo "$torch_req"; echo "$repo"; echo "$py"; } \
              | sha256sum | cut -d' ' -f1)"
     if [[ -f "$stamp_file" && "$(cat "$stamp_file")" == "$want" ]] && "$py" -c '
 import importlib.util, sys

@@ -59,8 +59,7 @@ def framed(key: bytes, seq: int, header: bytes, frames: tuple = ()) -> bytes:
 
 
 def read_reply(sock: socket.socket, key: bytes, seq: int = 0):
-    channel = framing.FramedChannel(sock, key, role="client", max_frame=1 << 30, max_header=1 << 30)
-    channel._recv_seq = seq
+    channel = framing.FramedChannel(sock, key, role="client", max_frame=1 << 30, max_header=1 << 30, recv_seq=seq)
     header, frames, _ = channel.recv()
     return m.decode(header), frames
 

@@ -25,6 +25,8 @@ is refused. A receiver verifies all of it before it returns anything
 from __future__ import annotations
 
 import hmac
+import importlib
+import os
 import select
 import socket
 import ssl
@@ -69,6 +71,28 @@ class MessageTooLarge(Exception):
     Not a framing error: the stream is still in step, so the receiver can
     answer it and go on.
     """
+
+
+def _compiled():
+    """The compiled hot path (``_cframing``), or None: not built, or ``REMOTORCH_FRAMING=python``.
+
+    It speaks the same bytes as this module (tests/unit/test_framing.py runs
+    both against each other); its constants must agree with these.
+    """
+    if os.environ.get("REMOTORCH_FRAMING", "").lower() == "python":
+        return None
+    try:
+        _cframing = importlib.import_module(f"{__package__}._cframing")
+    except ImportError:
+        return None
+    if (_cframing.MAGIC.encode(), _cframing.INLINE_MAC, _cframing.CHUNK, _cframing.MAC_SIZE, _cframing.MAX_FRAMES,
+            _cframing.SMALL_READ) != (MAGIC, INLINE_MAC, _CHUNK, MAC_SIZE, MAX_FRAMES, _SMALL_READ):
+        return None  # built from another version of the format: never mix the two
+    _cframing.configure(FramingError, AuthFailed, MessageTooLarge)
+    return _cframing
+
+
+_C = _compiled()
 
 
 def _mac(key: bytes, *parts) -> bytes:
@@ -191,7 +215,13 @@ class FramedChannel:
     """
 
     def __init__(self, sock: socket.socket, key: bytes, *, role: str, max_frame: int, max_header: int,
-                 send_timeout: float | None = None, max_message: int | None = None) -> None:
+                 send_timeout: float | None = None, max_message: int | None = None, recv_seq: int = 0,
+                 compiled: bool | None = None) -> None:
+        """``recv_seq``: the sequence number the first message received must carry (0 on a new connection).
+
+        ``compiled``: use the compiled hot path (True: it must be there;
+        None: where it is built and the socket is a plain one, not TLS).
+        """
         self.sock = sock
         self.send_timeout = send_timeout  # for a non-blocking socket: how long a send may wait
         self._send_key, self._recv_key = direction_keys(key, role)
@@ -199,7 +229,19 @@ class FramedChannel:
         # names this connection to both ends (a proof made for it is worthless on any other); not a key
         self.binding = _mac(key, b"binding")
         self._send_seq = 0
-        self._recv_seq = 0
+        self._recv_seq = recv_seq
+        self._core = None
+        if compiled is None:
+            compiled = _C is not None and type(sock) is socket.socket
+        elif compiled and (_C is None or type(sock) is not socket.socket):
+            raise RuntimeError("the compiled framing needs the built extension and a plain socket")
+        if compiled:
+            # the same methods, in C (the instance's own attributes: no Python frame per call)
+            self._core = core = _C.Core(sock, self._send_key, self._recv_key, _mac(self._send_key, b"frames-gmac"),
+                                        _mac(self._recv_key, b"frames-gmac"), max_frame, max_header, max_message,
+                                        send_timeout, recv_seq)
+            self.send, self.queue, self.flush, self.recv, self.poll = \
+                core.send, core.queue, core.flush, core.recv, core.poll
         self.max_frame = max_frame
         self.max_header = max_header
         # A message whose prefix announces more than this in all is read into the
@@ -257,9 +299,14 @@ class FramedChannel:
         return size
 
     @property
+    def compiled(self) -> bool:
+        """True when this channel runs on the compiled hot path."""
+        return self._core is not None
+
+    @property
     def sending(self) -> bool:
         """True while a queued message is not all written."""
-        return self._out is not None
+        return self._out is not None if self._core is None else self._core.sending
 
     def flush(self) -> bool:
         """Write what the socket takes now of the queued message (non-blocking socket).
@@ -283,7 +330,7 @@ class FramedChannel:
     @property
     def buffered(self) -> bool:
         """True when bytes of a further message are already read."""
-        return self._end > self._start
+        return self._end > self._start if self._core is None else self._core.buffered
 
     def _fill(self, need: int) -> None:
         """Make at least ``need`` bytes available in the read buffer (from ``_start``)."""
@@ -339,6 +386,8 @@ class FramedChannel:
     @property
     def readable(self) -> bool:
         """True when bytes of a further message may be here already (read, or held by TLS)."""
+        if self._core is not None:
+            return self._core.buffered
         if self._end > self._start:
             return True
         pending = getattr(self.sock, "pending", None)
@@ -347,6 +396,8 @@ class FramedChannel:
     @property
     def pending(self) -> bool:
         """True when part of a message has arrived and the rest has not."""
+        if self._core is not None:
+            return self._core.pending
         return self._partial is not None or self._end > self._start
 
     def _advance(self) -> tuple[bytes, list, int]:
