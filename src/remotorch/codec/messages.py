@@ -199,6 +199,7 @@ class HealthReply(msgspec.Struct, frozen=True, tag="health_reply", omit_defaults
     connections: int = 0  # connections that have sent a request and are open now
     allowed_ops: list[str] = []  # namespaces of custom operators graphs may call (``serve --allow-ops``)
     disk_cache: dict[str, Union[int, str]] = {}  # ``serve --cache-dir``: folder, bytes, counters (§20)
+    framing: str = ""  # "compiled" (_cframing) or "python": what this worker frames plain (not TLS) sockets with
 
 
 class Ok(msgspec.Struct, frozen=True, tag="ok", omit_defaults=True):

@@ -26,6 +26,7 @@ from ..codec import messages as m
 from ..codec.frames import SCALARS, FrameWriter
 from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsError, ProtocolError, RemoteError,
                       RemoteOutOfMemoryError, WorkerError)
+from ..transport import framing
 from .leases import SESSION_ID, LeaseTable
 from .peers import PeerLinks, Tickets, deliver_proof
 from .worker import Worker
@@ -154,7 +155,9 @@ class Service:
     # --------------------------------------------------------------- core messages
     def _health(self, session, req: m.Health, frames) -> Reply:
         return m.encode(m.HealthReply(protocol=m.PROTOCOL_VERSION, sessions=self.sessions(),
-                                      connections=len(self._connections), **self.worker.info())), []
+                                      connections=len(self._connections),
+                                      framing="python" if framing._C is None else "compiled",
+                                      **self.worker.info())), []
 
     def _echo(self, session, req: m.Echo, frames) -> Reply:
         return m.encode(m.EchoReply()), frames
