@@ -41,11 +41,13 @@
 #define READ_BUFFER (1 << 18)
 #define SMALL_READ (INLINE_MAC + (4 << 10))
 #define CHUNK (256 << 10)
+#define SEND_AHEAD (1 << 20)           /* tag this much ahead, then write it in one sendmsg */
 #define IOV_LIMIT 512
 #define WOULD_BLOCK (-2)
 #define RELEASE_AT (64 << 10)        /* tag chunks this large with the GIL released */
 
 static PyObject *FramingError, *AuthFailed, *MessageTooLarge;
+static PyObject *allocate;     /* n -> a writable buffer of n bytes for a large frame (numpy.empty: huge pages) */
 static EVP_MAC *hmac_alg;
 
 /* ------------------------------------------------------------------ bytes */
@@ -120,7 +122,8 @@ typedef struct {               /* a large message being received */
     PyObject *signed_;         /* bytes: prefix and header, as received */
     Py_ssize_t n;              /* buffer frames */
     Py_ssize_t *lengths;
-    PyObject **arrays;         /* one bytearray per buffer frame (none when discarding) */
+    PyObject **arrays;         /* one buffer per buffer frame, from `allocate` (none when discarding) */
+    Py_buffer *views;          /* their memory */
     unsigned char *tags;       /* the chunk tags so far */
     Py_ssize_t ntags, tags_cap;
     Py_ssize_t index, got, tagged;
@@ -164,10 +167,14 @@ static void partial_clear(Partial *p)
 {
     Py_CLEAR(p->signed_);
     if (p->arrays != NULL) {
-        for (Py_ssize_t i = 0; i < p->n; i++)
+        for (Py_ssize_t i = 0; i < p->n; i++) {
+            if (p->views[i].obj != NULL)
+                PyBuffer_Release(&p->views[i]);
             Py_XDECREF(p->arrays[i]);
+        }
     }
     PyMem_Free(p->arrays);
+    PyMem_Free(p->views);
     PyMem_Free(p->lengths);
     PyMem_Free(p->tags);
     PyMem_Free(p->scratch);
@@ -498,14 +505,27 @@ static int advance(Core *self, int nonblock, PyObject **result)
             }
         } else {
             p->arrays = PyMem_Calloc((size_t)(p->n ? p->n : 1), sizeof(PyObject *));
-            if (p->arrays == NULL) {
+            p->views = PyMem_Calloc((size_t)(p->n ? p->n : 1), sizeof(Py_buffer));
+            if (p->arrays == NULL || p->views == NULL) {
                 PyErr_NoMemory();
                 goto fail_new;
             }
             for (Py_ssize_t i = 0; i < p->n; i++) {
-                p->arrays[i] = PyByteArray_FromStringAndSize(NULL, p->lengths[i]);
+                PyObject *k = PyLong_FromSsize_t(p->lengths[i]);
+                if (k == NULL)
+                    goto fail_new;
+                p->arrays[i] = PyObject_CallOneArg(allocate, k);
+                Py_DECREF(k);
                 if (p->arrays[i] == NULL)
                     goto fail_new;
+                if (PyObject_GetBuffer(p->arrays[i], &p->views[i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+                    p->views[i].obj = NULL;
+                    goto fail_new;
+                }
+                if (p->views[i].len != p->lengths[i]) {
+                    PyErr_SetString(PyExc_RuntimeError, "the frame allocator gave a buffer of the wrong size");
+                    goto fail_new;
+                }
             }
         }
         self->start += signed_;
@@ -536,7 +556,7 @@ static int advance(Core *self, int nonblock, PyObject **result)
                 }
             }
         } else {  /* into the frame's own buffer, each chunk tagged once it is complete */
-            unsigned char *frame = (unsigned char *)PyByteArray_AS_STRING(p->arrays[p->index]);
+            unsigned char *frame = (unsigned char *)p->views[p->index].buf;
             while (p->got < n) {
                 Py_ssize_t got = p->got, have = n - got;
                 if (have > self->end - self->start)
@@ -597,16 +617,8 @@ static int advance(Core *self, int nonblock, PyObject **result)
         partial_clear(p);
         return -1;
     }
-    for (Py_ssize_t i = 0; i < p->n; i++) {
-        PyObject *view = frame_view(p->arrays[i]);
-        if (view == NULL) {
-            Py_DECREF(header);
-            Py_DECREF(frames);
-            partial_clear(p);
-            return -1;
-        }
-        PyList_SET_ITEM(frames, i, view);
-    }
+    for (Py_ssize_t i = 0; i < p->n; i++)
+        PyList_SET_ITEM(frames, i, Py_NewRef(p->arrays[i]));
     partial_clear(p);
     *result = Py_BuildValue("(NNn)", header, frames, size);
     return *result == NULL ? -1 : 0;
@@ -714,11 +726,13 @@ fail:
     return -1;
 }
 
-/* Tag chunks ahead of the send position, up to a chunk's worth (the MAC once all are tagged). */
+/* Tag chunks ahead of the send position, up to SEND_AHEAD (the MAC once all are tagged). One
+ * sendmsg per SEND_AHEAD, not per chunk: a reply of a few chunks goes to the kernel in one call
+ * (measured: a 1 MiB reply's round trip 510 -> 370 us, a 4 MiB one 1730 -> 1170 us; raw 300, 1180). */
 static int tag_ahead(Core *self)
 {
     Outgoing *o = &self->out;
-    while (o->ti < o->n && o->ahead < CHUNK) {
+    while (o->ti < o->n && o->ahead < SEND_AHEAD) {
         Py_buffer *v = &o->views[o->ti];
         if (o->toff >= v->len) {
             o->ti++;
@@ -1050,12 +1064,14 @@ static PyTypeObject CoreType = {
     .tp_getset = Core_getset,
 };
 
-/* configure(FramingError, AuthFailed, MessageTooLarge): the exceptions framing.py defines. */
+/* configure(FramingError, AuthFailed, MessageTooLarge, allocate): the exceptions framing.py defines,
+ * and what a large frame is received into. */
 static PyObject *configure(PyObject *module, PyObject *args)
 {
-    PyObject *a, *b, *c;
-    if (!PyArg_ParseTuple(args, "OOO", &a, &b, &c))
+    PyObject *a, *b, *c, *d;
+    if (!PyArg_ParseTuple(args, "OOOO", &a, &b, &c, &d))
         return NULL;
+    Py_XSETREF(allocate, Py_NewRef(d));
     Py_XSETREF(FramingError, Py_NewRef(a));
     Py_XSETREF(AuthFailed, Py_NewRef(b));
     Py_XSETREF(MessageTooLarge, Py_NewRef(c));
@@ -1063,7 +1079,7 @@ static PyObject *configure(PyObject *module, PyObject *args)
 }
 
 static PyMethodDef module_methods[] = {
-    {"configure", configure, METH_VARARGS, "configure(FramingError, AuthFailed, MessageTooLarge)"},
+    {"configure", configure, METH_VARARGS, "configure(FramingError, AuthFailed, MessageTooLarge, allocate)"},
     {NULL},
 };
 
@@ -1082,6 +1098,7 @@ PyMODINIT_FUNC PyInit__cframing(void)
     FramingError = Py_NewRef(PyExc_ValueError);
     AuthFailed = Py_NewRef(PyExc_ValueError);
     MessageTooLarge = Py_NewRef(PyExc_ValueError);
+    allocate = Py_NewRef((PyObject *)&PyByteArray_Type);
     if (PyType_Ready(&CoreType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
@@ -1093,7 +1110,8 @@ PyMODINIT_FUNC PyInit__cframing(void)
         || PyModule_AddIntConstant(m, "CHUNK", CHUNK) < 0
         || PyModule_AddIntConstant(m, "MAC_SIZE", MAC_SIZE) < 0
         || PyModule_AddIntConstant(m, "MAX_FRAMES", MAX_FRAMES) < 0
-        || PyModule_AddIntConstant(m, "SMALL_READ", SMALL_READ) < 0) {
+        || PyModule_AddIntConstant(m, "SMALL_READ", SMALL_READ) < 0
+        || PyModule_AddIntConstant(m, "SEND_AHEAD", SEND_AHEAD) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -55,6 +55,9 @@ _SMALL_READ = INLINE_MAC + (4 << 10)
 # tagged right after it is received (or right before it is sent), while it is
 # still in the cache. Chunk boundaries are part of the MAC (protocol.md §4.2).
 _CHUNK = 256 << 10
+# A large message is tagged this far ahead of what is written, and written in one sendmsg per this
+# much: one call for a reply of a few chunks, not one per chunk (fewer wake-ups of the reader).
+_SEND_AHEAD = 1 << 20
 
 
 class FramingError(Exception):
@@ -86,9 +89,12 @@ def _compiled():
     except ImportError:
         return None
     if (_cframing.MAGIC.encode(), _cframing.INLINE_MAC, _cframing.CHUNK, _cframing.MAC_SIZE, _cframing.MAX_FRAMES,
-            _cframing.SMALL_READ) != (MAGIC, INLINE_MAC, _CHUNK, MAC_SIZE, MAX_FRAMES, _SMALL_READ):
+            _cframing.SMALL_READ, _cframing.SEND_AHEAD) != (MAGIC, INLINE_MAC, _CHUNK, MAC_SIZE, MAX_FRAMES,
+                                                            _SMALL_READ, _SEND_AHEAD):
         return None  # built from another version of the format: never mix the two
-    _cframing.configure(FramingError, AuthFailed, MessageTooLarge)
+    # large frames go into numpy's memory, as here: it asks for huge pages (a 256 MB frame faults in
+    # 128 pages, not 65,536)
+    _cframing.configure(FramingError, AuthFailed, MessageTooLarge, lambda n: np.empty(n, dtype=np.uint8))
     return _cframing
 
 
@@ -162,7 +168,7 @@ def _consume(views: list, sent: int) -> None:
 
 
 def _batches(pieces):
-    """Pieces of a message grouped into lists of memoryviews of about ``_CHUNK`` bytes (one ``sendmsg`` each)."""
+    """Pieces of a message grouped into lists of memoryviews of about ``_SEND_AHEAD`` bytes (one ``sendmsg`` each)."""
     batch, batched = [], 0
     for piece in pieces:
         view = memoryview(piece).cast("B")
@@ -170,7 +176,7 @@ def _batches(pieces):
             continue
         batch.append(view)
         batched += view.nbytes
-        if batched >= _CHUNK:
+        if batched >= _SEND_AHEAD:
             yield batch
             batch, batched = [], 0
     if batch:
