@@ -153,7 +153,7 @@ def cmd_health(args: argparse.Namespace) -> int:
             print(f"unhealthy: {args.url}: {type(exc).__name__}: {exc}")
             return 1
     print(f"healthy: {args.url}")
-    for key in ("name", "device", "torch_version", "engines", "allowed_ops", "protocol", "sessions",
+    for key in ("name", "device", "torch_version", "engines", "allowed_ops", "protocol", "framing", "sessions",
                 "price_per_hour"):
         value = info.get(key, [])
         if isinstance(value, list):
