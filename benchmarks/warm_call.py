@@ -215,6 +215,10 @@ def main(argv=None) -> int:
         share = "" if name == "total" else f"{med / total:6.1%}"
         print(f"  {name:24s} {med * 1e6:8.1f} µs {share}")
     print("  (medians of each phase; they need not add up to the median total)")
+    every = sorted(t1 - t0 for t0, t1 in calls)
+    p50, p99 = every[len(every) // 2], every[int(len(every) * 0.99)]
+    print(f"  all {len(every)} warm calls: median {p50 * 1e6:.1f} µs, p99 {p99 * 1e6:.1f} µs, "
+          f"p99 / median {p99 / p50:.2f} (nothing else measured meanwhile)")
     return 0
 
 
