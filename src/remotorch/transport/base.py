@@ -117,6 +117,19 @@ def poll_until(ready, seconds: float) -> bool:
         os.sched_yield()
 
 
+def poll_for(take, seconds: float):
+    """Call ``take()`` without sleeping (yielding the CPU in between) until it returns something
+    other than None or ``seconds`` passed; what it returned, or None."""
+    until = time.perf_counter() + seconds
+    while True:
+        got = take()
+        if got is not None:
+            return got
+        if time.perf_counter() >= until:
+            return None
+        os.sched_yield()
+
+
 def _cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))

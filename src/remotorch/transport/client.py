@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from urllib.parse import urlparse
 
 from ..errors import AuthenticationError, ProtocolError, WorkerUnavailableError
-from .base import Buffer, OnConnect, Spin, Transport, poll_until
+from .base import Buffer, OnConnect, Spin, Transport, poll_for, poll_until
 from .framing import AuthFailed, FramedChannel, FramingError
 from .handshake import client_handshake
 from .tls import client_context, wrap_client
@@ -153,9 +153,12 @@ class TcpTransport(Transport):
         spin = self.spin
         sent = time.perf_counter()
         window = spin.budget()
-        if window:
+        got = None
+        if window and channel.compiled:  # poll for the reply itself: one call per turn, none after
+            got = poll_for(channel.poll, window)
+        elif window:
             poll_until(_readable(channel), window)
-        reply, out, nbytes = channel.recv()
+        reply, out, nbytes = got if got is not None else channel.recv()
         spin.waited(time.perf_counter() - sent)
         self.bytes_received += nbytes
         return reply, out
