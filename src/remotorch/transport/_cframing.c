@@ -385,11 +385,6 @@ static int add_tag(Partial *p, Core *self, const unsigned char *data, Py_ssize_t
     return 0;
 }
 
-static PyObject *frame_view(PyObject *array)
-{
-    return PyMemoryView_FromObject(array);
-}
-
 /* A whole small message from the read buffer (it is all there): (header, frames, size). */
 static PyObject *take_small(Core *self, uint64_t seq, Py_ssize_t head, const Py_ssize_t *lengths, Py_ssize_t n,
                             Py_ssize_t signed_, Py_ssize_t total)
@@ -408,7 +403,7 @@ static PyObject *take_small(Core *self, uint64_t seq, Py_ssize_t head, const Py_
         PyObject *array = PyByteArray_FromStringAndSize((const char *)s + at, lengths[i]);
         if (array == NULL)
             goto fail;
-        PyObject *view = frame_view(array);
+        PyObject *view = PyMemoryView_FromObject(array);
         Py_DECREF(array);
         if (view == NULL)
             goto fail;
@@ -1029,15 +1024,11 @@ static void Core_dealloc(Core *self)
 static PyObject *Core_get_sending(Core *self, void *c) { return PyBool_FromLong(self->out.active); }
 static PyObject *Core_get_buffered(Core *self, void *c) { return PyBool_FromLong(self->end > self->start); }
 static PyObject *Core_get_pending(Core *self, void *c) { return PyBool_FromLong(self->part.active || self->end > self->start); }
-static PyObject *Core_get_send_seq(Core *self, void *c) { return PyLong_FromUnsignedLongLong(self->send_seq); }
-static PyObject *Core_get_recv_seq(Core *self, void *c) { return PyLong_FromUnsignedLongLong(self->recv_seq); }
 
 static PyGetSetDef Core_getset[] = {
     {"sending", (getter)Core_get_sending, NULL, "True while a queued message is not all written.", NULL},
     {"buffered", (getter)Core_get_buffered, NULL, "True when bytes of a further message are already read.", NULL},
     {"pending", (getter)Core_get_pending, NULL, "True when part of a message has arrived and the rest has not.", NULL},
-    {"send_seq", (getter)Core_get_send_seq, NULL, "The next message's sequence number.", NULL},
-    {"recv_seq", (getter)Core_get_recv_seq, NULL, "The sequence number the next message must carry.", NULL},
     {NULL},
 };
 

@@ -12,14 +12,18 @@ buffer frame is cut into chunks of 256 KiB (its last one shorter), and chunk
 ``c`` of the message (counted across its frames) is tagged under this
 direction's GMAC key ``g`` with the nonce ``seq u64 | c u32``, unique per key.
 GMAC runs at tens of GB/s (AES-NI and carry-less multiply), several times
-Poly1305's speed and far above SHA-256's. Each chunk is tagged as it goes out
-or right after it comes in, while it is still in the cache (one pass over
-memory, not two). ``k`` and ``g`` are this direction's keys, derived from the
+Poly1305's speed and far above SHA-256's. Chunks are tagged just before they
+go out (up to 1 MiB ahead, written in one call) and right after each comes
+in, while they are still in the cache (one pass over memory, not two). ``k`` and ``g`` are this direction's keys, derived from the
 session key that a mutual challenge–response on the shared token yields when
 the connection opens (:mod:`remotorch.transport.handshake`). ``seq`` must
 increase by one per message and direction, so a replayed or reordered message
 is refused. A receiver verifies all of it before it returns anything
 (docs/protocol.md §4).
+
+``_cframing.c`` does the same in C, byte for byte; a :class:`FramedChannel` on
+a plain socket uses it where it is built (``REMOTORCH_FRAMING=python`` turns it
+off), and this module is then only its set-up and the fallback.
 """
 
 from __future__ import annotations
