@@ -235,7 +235,6 @@ class FramedChannel:
         self.sock = sock
         self.send_timeout = send_timeout  # for a non-blocking socket: how long a send may wait
         self._send_key, self._recv_key = direction_keys(key, role)
-        self._send_gmac, self._recv_gmac = frames_key(self._send_key), frames_key(self._recv_key)
         # names this connection to both ends (a proof made for it is worthless on any other); not a key
         self.binding = _mac(key, b"binding")
         self._send_seq = 0
@@ -257,8 +256,12 @@ class FramedChannel:
         # A message whose prefix announces more than this in all is read into the
         # read buffer and dropped (nothing allocated for it), then refused.
         self.max_message = max_message
-        self._buf = bytearray(_READ_BUFFER)
+        # the Python path's read buffer and GMAC keys (the compiled one keeps its own)
+        self._buf = bytearray(0 if compiled else _READ_BUFFER)
         self._view = memoryview(self._buf)
+        self._send_gmac = self._recv_gmac = None
+        if not compiled:
+            self._send_gmac, self._recv_gmac = frames_key(self._send_key), frames_key(self._recv_key)
         self._start = 0
         self._end = 0
         self._partial: _Partial | None = None
