@@ -17,12 +17,22 @@ logits), all without gradients. The systems:
   floor server and returns its reply. It is what torch.compile's own
   per-call runtime (Dynamo's guards, the frame, gathering the parameters as
   graph inputs) adds to the floor, with nothing of remotorch in it: the part
-  of remotorch's overhead that any ``torch.compile`` backend pays.
+  of remotorch's overhead that any ``torch.compile`` backend pays. It has a
+  floor server process of its own (every system has its own copy of the
+  weights): its turn follows the floor's in every round, and on a shared
+  server it would find the weights still in the caches the floor's turn
+  warmed.
 - **pickle/zmq**: pickle over pyzmq REQ/REP, done fast (protocol 5, tensor
   bytes as zero-copy out-of-band frames); it unpickles whatever it is sent.
 - **torch RPC**: ``torch.distributed.rpc`` over loopback (world size 2, the
   server is rank 1, TensorPipe with its default transports): ``rpc.remote``
   builds the module there once (an RRef), then ``rref.rpc_sync().forward(x)``.
+  It is measured in a phase of its own, after the others, with the same
+  rounds: TensorPipe's threads busy-poll for as long as the group is up, in
+  both ranks (about one CPU each while no call is made, which the script
+  measures and prints), so while it is up every other system runs on a
+  machine with its CPUs taken. The group starts only after the other
+  systems' runs.
 - **Ray**: a local Ray (2 CPUs, no dashboard, token authentication on), one
   actor holding the models: ``ray.get(actor.forward.remote(name, x))``.
 - **remotorch**: ``remotorch.compile(model, fallback="raise")`` on a
@@ -35,7 +45,8 @@ logits), all without gradients. The systems:
 Every process does its intra-op work on one thread (``torch.set_num_threads(1)``,
 ``--threads 1``). Calls are timed one by one in interleaved rounds: within each
 round every system takes its turn (round robin, the order rotating from round
-to round), so the machine's noise hits all alike. Each system's output is
+to round), so the machine's noise hits all alike (torch RPC: its own rounds,
+above). Each system's output is
 checked against the local model's (``allclose``) before timing and after each
 round, and must be an ordinary tensor in this process (remotorch's output is
 read, so it comes back rather than staying on the worker): no system is fast
@@ -106,6 +117,7 @@ from _peers.servers import ModelActor, pack, unpack  # noqa: E402
 PEERS = ("pickle/zmq", "torch RPC", "Ray")
 REMOTORCH = ("remotorch tcp", "remotorch unix", "remotorch tcp spin")
 SYSTEMS = ("local", "floor", "floor compiled", *PEERS, *REMOTORCH)
+ALONE = "torch RPC"  # measured in a phase of its own: its threads busy-poll while the group is up
 PEER_TARGET = 0.7  # remotorch / best peer, MLP, TCP
 MLP_COMPILED_FLOOR_TARGET = 1.2  # remotorch / floor compiled, MLP
 GPT2_COMPILED_FLOOR_TARGET = 1.05  # remotorch / floor compiled, GPT-2
@@ -201,7 +213,25 @@ def start_rpc(stack: contextlib.ExitStack) -> dict:
     rpc.init_rpc("client", rank=0, world_size=2, rpc_backend_options=opts)
     stack.callback(lambda: rpc.shutdown(graceful=server.proc.poll() is None))
     server.ready()
-    return {n: rpc.remote("server", build_module, args=(n,)) for n in NAMES}
+    return server, {n: rpc.remote("server", build_module, args=(n,)) for n in NAMES}
+
+
+def cpu_seconds(pid: int | str) -> float | None:
+    """User + system CPU seconds a process has used so far (all its threads); None off Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu(pids: dict[str, int | str], seconds: float = 2.0) -> dict[str, float | None]:
+    """CPUs each process keeps busy while nothing calls it (this thread sleeps meanwhile)."""
+    before = {k: cpu_seconds(p) for k, p in pids.items()}
+    time.sleep(seconds)
+    after = {k: cpu_seconds(p) for k, p in pids.items()}
+    return {k: None if before[k] is None or after[k] is None else (after[k] - before[k]) / seconds for k in pids}
 
 
 class Systems:
@@ -218,8 +248,11 @@ class Systems:
 
     def _start(self) -> None:
         stack = self.stack
-        floor, pickler = Child("floor"), Child("zmq")
+        # the floor compiled has a floor server of its own: sharing one, it would find that
+        # server's weights in the caches the floor's turn just warmed
+        floor, floor2, pickler = Child("floor"), Child("floor"), Child("zmq")
         stack.callback(floor.stop)
+        stack.callback(floor2.stop)
         stack.callback(pickler.stop)
         token = secrets.token_hex(16)
         scratch = tempfile.mkdtemp(prefix="remotorch-peers-")
@@ -240,10 +273,10 @@ class Systems:
         for t in threads:
             t.start()
         self.ray = start_ray(stack)
-        # both build their models asynchronously: the actor process and the RRefs while we go on
-        self.actor = self.ray.remote(ModelActor).options(num_cpus=0).remote()
-        self.rrefs = start_rpc(stack)
-        self.floor_port, self.zmq_port = int(floor.ready()), int(pickler.ready())
+        self.actor = self.ray.remote(ModelActor).options(num_cpus=0).remote()  # builds its models meanwhile
+        self.rrefs: dict = {}
+        self.floor_port, self.floor_compiled_port = int(floor.ready()), int(floor2.ready())
+        self.zmq_port = int(pickler.ready())
         for t in threads:
             t.join()
         if errors:
@@ -259,17 +292,30 @@ class Systems:
         """One call per system running the named model on its input."""
         floor = FloorClient(self.floor_port, name, model)
         self.stack.callback(floor.close)
+        floor2 = FloorClient(self.floor_compiled_port, name, model)
+        self.stack.callback(floor2.close)
         req = self.zmq_ctx.socket(zmq.REQ)
         req.connect(f"tcp://127.0.0.1:{self.zmq_port}")
         self.stack.callback(req.close, 0)
-        rref, actor = self.rrefs[name], self.actor
-        probes = {"local": model, "floor": floor.call, "floor compiled": floor_compiled(model, floor),
+        actor = self.actor
+        probes = {"local": model, "floor": floor.call, "floor compiled": floor_compiled(model, floor2),
                   "pickle/zmq": lambda x: zmq_call(req, name, x),
-                  "torch RPC": lambda x: rref.rpc_sync().forward(x),
                   "Ray": lambda x: self.ray.get(actor.forward.remote(name, x))}
         for system in REMOTORCH:
             probes[system] = remotorch.compile(model, session=self.sessions[system], fallback="raise")
         return probes
+
+    def start_rpc(self) -> None:
+        """Start the torch RPC group (after the other systems' runs)."""
+        self.rpc_server, self.rrefs = start_rpc(self.stack)
+
+    def rpc_idle_cpu(self) -> dict[str, float | None]:
+        """The CPUs each rank of the RPC group keeps busy while no call is made."""
+        return idle_cpu({"rank 0 (this process)": "self", "rank 1 (the server)": self.rpc_server.proc.pid})
+
+    def rpc_probe(self, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        rref = self.rrefs[name]
+        return lambda x: rref.rpc_sync().forward(x)
 
     def close(self) -> None:
         self.stack.close()
@@ -386,7 +432,7 @@ def ratios(rows: dict[str, dict]) -> dict:
 
 
 def measure(systems: Systems, prepared: dict, plans: dict, matched: dict) -> dict:
-    """One run: every model, every system, interleaved; rows and ratios per model."""
+    """One run of every system but torch RPC: every model, interleaved; the rows per model."""
     run = {}
     with torch.no_grad():
         for name in NAMES:
@@ -397,9 +443,27 @@ def measure(systems: Systems, prepared: dict, plans: dict, matched: dict) -> dic
                 after = systems.sessions[s].stats()
                 calls = after["remote_calls"] - before[s]["remote_calls"]
                 rows[s]["worker_graph_mean_us"] = (after["remote_ms"] - before[s]["remote_ms"]) / calls * 1e3
-            for r in rows.values():
-                r["vs_local"] = r["median_us"] / rows["local"]["median_us"]
-            run[name] = {"rows": rows, "ratios": ratios(rows)}
+            run[name] = {"rows": rows}
+    return run
+
+
+def measure_alone(probes: dict, runs: list[dict], plans: dict, matched: dict) -> None:
+    """torch RPC's own phase: as many runs as the others had, the same rounds, its rows added to each run."""
+    with torch.no_grad():
+        for run in runs:
+            for name in NAMES:
+                fn, x, expected = probes[name]
+                run[name]["rows"].update(interleaved({ALONE: fn}, x, expected, plans[name],
+                                                     matched.setdefault(name, {})))
+
+
+def finish(run: dict) -> dict:
+    """A run's rows in the order of SYSTEMS, each with its ratio to local; the ratios per model."""
+    for name in NAMES:
+        rows = run[name]["rows"] = {s: run[name]["rows"][s] for s in SYSTEMS}
+        for r in rows.values():
+            r["vs_local"] = r["median_us"] / rows["local"]["median_us"]
+        run[name]["ratios"] = ratios(rows)
     return run
 
 
@@ -412,14 +476,31 @@ def prepare(systems: Systems) -> dict:
             expected = model(x).clone()
             probes = systems.probes(name, model)
             for system, fn in probes.items():
-                # the first output is read here, as a user reads it: from then on remotorch sends
-                # it back with each call instead of keeping it on the worker
-                first = fn(x)
-                if not torch.allclose(first, expected, rtol=RTOL, atol=ATOL):
-                    raise AssertionError(f"{system}: first output differs from local")
-                check(system, fn(x), expected, {})
+                first_check(system, fn, x, expected)
             prepared[name] = (probes, x, expected)
     return prepared
+
+
+def prepare_alone(systems: Systems, prepared: dict) -> dict:
+    """torch RPC's probe per model (the group is started here), each checked once."""
+    systems.start_rpc()
+    probes = {}
+    with torch.no_grad():
+        for name in NAMES:
+            _, x, expected = prepared[name]
+            fn = systems.rpc_probe(name)
+            first_check(ALONE, fn, x, expected)
+            probes[name] = (fn, x, expected)
+    return probes
+
+
+def first_check(system: str, fn, x: torch.Tensor, expected: torch.Tensor) -> None:
+    # the first output is read here, as a user reads it: from then on remotorch sends
+    # it back with each call instead of keeping it on the worker
+    first = fn(x)
+    if not torch.allclose(first, expected, rtol=RTOL, atol=ATOL):
+        raise AssertionError(f"{system}: first output differs from local")
+    check(system, fn(x), expected, {})
 
 
 # ------------------------------------------------------------------------------ report
@@ -537,7 +618,15 @@ def main(argv=None) -> int:
         runs = []
         for i in range(runs_n):
             runs.append(measure(systems, prepared, plans, matched))
-            print_run(i, runs[-1], args.spin_us)
+            say(f"  run {i + 1} of {runs_n}: every system but {ALONE} measured")
+        alone = prepare_alone(systems, prepared)
+        busy = systems.rpc_idle_cpu()
+        measure_alone(alone, runs, plans, matched)
+        say(f"  {ALONE}, alone afterwards: its ranks keep "
+            + ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}" for k, v in busy.items())
+            + " CPUs busy while no call is made")
+        for i, run in enumerate(runs):
+            print_run(i, finish(run), args.spin_us)
     finally:
         systems.close()
     targets = judge(runs)
@@ -549,7 +638,8 @@ def main(argv=None) -> int:
     say(f"\ntotal wall time {wall:.1f} s; " + ("all targets met" if passed else
         "FAIL: missed " + "; ".join(t["name"] for t in targets if not t["pass"])))
     result = {"systems": list(SYSTEMS), "models": {n: describe(n) for n in NAMES}, "spin_us": args.spin_us,
-              "quick": args.quick, "plans": plans, "runs": runs, "matched": matched, "targets": targets, "shares": share,
+              "quick": args.quick, "plans": plans, "runs": runs, "rpc_idle_cpus": busy, "matched": matched,
+              "targets": targets, "shares": share,
               "passed": passed, "bulk_and_wire": "benchmarks/overhead.py", "wall_s": wall}
     if args.json == "-":
         json.dump(result, sys.stdout, indent=1)

@@ -162,14 +162,21 @@ def test_embedded_worker_spins_when_the_session_does(monkeypatch):
         session.close()
 
 
-def test_auto_spin_polls_only_while_waits_end_within_its_window():
+def test_auto_spin_polls_until_two_waits_in_a_row_outlast_its_window():
     from remotorch.transport.base import AUTO_SPIN_S, Spin
 
     spin = Spin(None)
     if spin.window == 0.0:
         pytest.skip("this process may run on one CPU only: auto never spins here")
     assert spin.window == AUTO_SPIN_S and spin.budget() == AUTO_SPIN_S
-    spin.waited(AUTO_SPIN_S * 5)  # the other end took longer than the window: sleep from now on
+    spin.waited(AUTO_SPIN_S * 5)  # one long wait (a pause before a burst): still polls for the next
+    assert spin.budget() == AUTO_SPIN_S
+    spin.waited(AUTO_SPIN_S / 4)  # back to back again
+    spin.waited(AUTO_SPIN_S * 5)
+    assert spin.budget() == AUTO_SPIN_S
+    spin.waited(AUTO_SPIN_S * 5)  # two in a row: the other end is slow or idle, sleep from now on
+    assert spin.budget() == 0.0
+    spin.waited(AUTO_SPIN_S * 5)
     assert spin.budget() == 0.0
     spin.waited(AUTO_SPIN_S / 4)  # replies come back to back again: poll again
     assert spin.budget() == AUTO_SPIN_S

@@ -74,15 +74,17 @@ class Spin:
     more on a virtual machine whose idle vCPU is halted (and what it ran
     comes back to cold caches). ``Spin(seconds)`` polls up to that long
     after every message (0: never). ``Spin(None)`` is ``auto``: it polls up
-    to :data:`AUTO_SPIN_S`, but only while the previous wait ended within
-    that window (calls coming back to back) and only when this process may
-    run on more than one CPU; a slower caller or an idle peer costs at most
-    one window, after which the end sleeps until messages come quickly
+    to :data:`AUTO_SPIN_S`, only when this process may run on more than one
+    CPU, and only while one of the last two waits ended within that window.
+    Calls that come back to back keep it polling; the first call of a burst
+    after a pause still finds the other end polling for the second (one long
+    wait alone does not stop it); a slower caller or an idle peer costs at
+    most two windows, after which the end sleeps until messages come quickly
     again. The poll loop yields the CPU between polls, so a process that
     needs the core gets it.
     """
 
-    __slots__ = ("window", "adaptive", "hot")
+    __slots__ = ("window", "adaptive", "hot", "_long")
 
     def __init__(self, seconds: float | None) -> None:
         self.adaptive = seconds is None
@@ -91,15 +93,17 @@ class Spin:
         else:
             self.window = max(0.0, seconds)
         self.hot = True
+        self._long = 0  # waits in a row that took longer than the window
 
     def budget(self) -> float:
         """Seconds to poll before the next wait sleeps."""
         return self.window if self.hot else 0.0
 
     def waited(self, seconds: float) -> None:
-        """The last wait took this long: ``auto`` spins next time only if it was within the window."""
+        """The last wait took this long: ``auto`` stops polling after two in a row over the window."""
         if self.adaptive:
-            self.hot = seconds <= self.window
+            self._long = 0 if seconds <= self.window else self._long + 1
+            self.hot = self._long < 2
 
     def __repr__(self) -> str:
         return "Spin(auto)" if self.adaptive else f"Spin({self.window * 1e6:g} us)"
