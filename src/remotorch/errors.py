@@ -139,8 +139,9 @@ class MissingObjectsError(RemoteError):
     """The worker does not hold objects a request refers to.
 
     ``graphs`` and ``tensors`` (content ids) the session uploads again itself
-    (e.g. after a worker restart); users see those only if the re-upload
-    fails too. ``handles``, ``slots`` and ``optims`` name worker-side state
+    (e.g. after a worker restart), and ``bindings`` (argument bindings,
+    ``Run.bound``) it makes again by sending the arguments; users see those
+    only if doing so fails too. ``handles``, ``slots`` and ``optims`` name worker-side state
     (kept values, parameter slots, optimizers) that cannot be uploaded again.
     """
 
@@ -149,13 +150,14 @@ class MissingObjectsError(RemoteError):
     def __init__(self, message: str = "", *, graphs: list[str] | None = None,
                  tensors: list[str] | None = None, handles: list[int] | None = None,
                  slots: list[int] | None = None, optims: list[int] | None = None,
-                 remote_traceback: str | None = None) -> None:
+                 bindings: list[int] | None = None, remote_traceback: str | None = None) -> None:
         super().__init__(message, remote_traceback=remote_traceback)
         self.graphs = list(graphs or [])
         self.tensors = list(tensors or [])
         self.handles = list(handles or [])
         self.slots = list(slots or [])
         self.optims = list(optims or [])
+        self.bindings = list(bindings or [])
 
     @property
     def recoverable(self) -> bool:
@@ -196,7 +198,7 @@ _BY_KIND: dict[str, type[RemoteError]] = {
 
 def from_reply(kind: str, message: str, traceback: str | None, **missing) -> RemoteError:
     """Rebuild the exception a worker reported in an ``ErrorReply`` (``missing``: its lists of
-    missing objects: graphs, tensors, handles, slots, optims)."""
+    missing objects: graphs, tensors, handles, slots, optims, bindings)."""
     if kind == MissingObjectsError.kind:
         return MissingObjectsError(message, remote_traceback=traceback, **missing)
     return _BY_KIND.get(kind, WorkerError)(message, remote_traceback=traceback)

@@ -40,7 +40,7 @@ from .policy import Policies
 from .remote import RemoteTensor
 from .reuse import InputReuse
 from .stats import Counters
-from .uploads import Uploads
+from .uploads import Resident, Uploads
 
 log = logging.getLogger(__name__)
 
@@ -252,11 +252,14 @@ class Connection:
         The reply must be of type ``expect``; a run (``RunReply``, ``ProfileReply``) is counted. When
         the worker answers that it forgot graphs or tensors (it restarted, or
         the lease ran out), they are uploaded again by calling ``build`` once
-        more; state that cannot be uploaded again is raised. Returns
+        more; state that cannot be uploaded again is raised. An argument
+        binding it forgot costs one more build, which sends the arguments
+        themselves (and may then learn of forgotten tensors). Returns
         ``(reply, frames)``.
         """
         with self.lock:
-            for attempt in range(2):
+            uploads = 0
+            for _ in range(3):
                 try:
                     if graph is not None:
                         self.uploads.ensure_graph(graph)
@@ -266,9 +269,10 @@ class Connection:
                         self.stats.ran(reply, body)
                     return reply, out
                 except errors.MissingObjectsError as exc:
-                    if attempt or not self.uploads.forget(exc):
+                    if uploads or not self.uploads.forget(exc):
                         raise
-        raise AssertionError("unreachable")
+                    uploads += bool(exc.graphs or exc.tensors or not exc.bindings)
+            raise AssertionError("unreachable")
 
     def run(self, graph: Graph, args: Sequence, *, request: type = m.Run, expect: type = m.RunReply,
             engine: str | None = None, placed: Placed | None = None,
@@ -287,14 +291,22 @@ class Connection:
         """
         engine = engine or graph.engine
         self.import_values(args)
-        reuse = request is m.Run and placed is None and launched is None and \
-            self.reuse.begin(args, graph.resident_set)
+        plain = request is m.Run and placed is None and launched is None
+        reuse = plain and self.reuse.begin(args, graph.resident_set)
+        binds: list = [None]  # the binding this request makes, if it makes one
 
         def build():
-            run_args, frames = self.pack_args(graph, args, reuse, placed)
+            run_args, frames, resident = self.pack_args(graph, args, reuse, placed)
             extra = fields() if callable(fields) else dict(fields or ())
             if self.reuse.keep_inputs:
                 extra["keep_inputs"] = self.reuse.keep_inputs
+            binds[0] = None
+            if plain and resident is not None and resident.id:  # resident arguments by binding
+                if resident.held:
+                    run_args = [run_args[i] for i in resident.free]
+                    extra["bound"] = resident.id
+                else:
+                    extra["bind"], binds[0] = resident.id, resident
             return request(graph.graph_id, engine, run_args, **extra), frames
 
         if launched is not None:
@@ -304,6 +316,8 @@ class Connection:
         except BaseException:
             self.reuse.failed()
             raise
+        if binds[0] is not None:
+            binds[0].held = True
         self.reuse.committed()
         return reply, frames
 
@@ -322,9 +336,10 @@ class Connection:
         return launched
 
     def pack_args(self, graph: Graph, args: Sequence, reuse: bool = False,
-                  placed: Placed | None = None) -> tuple[list, list]:
+                  placed: Placed | None = None) -> tuple[list, list, Resident | None]:
         """Wire arguments: resident tensors by content id (uploading what the worker lacks), values
-        kept on a worker by handle, others inline.
+        kept on a worker by handle, others inline; the frames; the resident arguments' record
+        (:class:`~remotorch.client.uploads.Resident`, None with ``placed``).
 
         ``placed(graph, args)`` gives the arguments the caller places itself
         (instead of the resident ones by content id). With ``reuse``, a large
@@ -333,8 +348,14 @@ class Connection:
         """
         w = FrameWriter()
         self.reuse.start_request()
-        run_args = self.uploads.resident_args(graph, args) if placed is None else placed(graph, args)
-        for i, a in enumerate(args):
+        if placed is None:
+            run_args, resident = self.uploads.resident_args(graph, args)
+            rest = resident.free
+        else:
+            run_args, resident = placed(graph, args), None
+            rest = range(len(args))
+        for i in rest:
+            a = args[i]
             if run_args[i] is not None:
                 continue
             if type(a) is RemoteTensor:
@@ -342,7 +363,7 @@ class Connection:
             else:
                 hid = self.reuse.arg(graph, i, a, reuse) if placed is None and isinstance(a, torch.Tensor) else None
                 run_args[i] = m.HandleArg(hid) if hid is not None else w.value(a)
-        return run_args, w.frames
+        return run_args, w.frames, resident
 
     def __repr__(self) -> str:
         return f"Connection({self.name or self.url or 'embedded'})"

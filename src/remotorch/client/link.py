@@ -252,7 +252,7 @@ def parse_reply(header: bytes, url: str | None, expect: type | None = None) -> o
     if type(reply) is m.ErrorReply:
         raise errors.from_reply(reply.kind, reply.message, reply.traceback, graphs=reply.graphs,
                                 tensors=reply.tensors, handles=reply.handles, slots=reply.slots,
-                                optims=reply.optims)
+                                optims=reply.optims, bindings=reply.bindings)
     if expect is not None and type(reply) is not expect:
         raise errors.ProtocolError(f"worker {url or 'local'} answered with {type(reply).__name__}, "
                                    f"not {expect.__name__}")

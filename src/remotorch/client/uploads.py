@@ -6,7 +6,10 @@ the worker holds for the session, names tensors by content id
 (``PutGraph``, ``PutTensors``) and takes the worker's word when it forgot
 some (:meth:`Uploads.forget`, after which the caller builds its request again).
 A warm call hashes nothing: the resident arguments of a graph's last call are
-reused while they are the same tensors at the same versions.
+reused while they are the same tensors at the same versions. Nor does it send
+them: the first run names them as an argument binding of the session
+(``Run.bind``, protocol.md §8.1) and the next ones send only the other
+arguments (``Run.bound``), while the binding holds.
 
 Before uploading, it asks a worker that keeps a disk cache which of those objects
 it still has (``Have``, protocol.md §20), proving for each that it holds the bytes
@@ -16,6 +19,7 @@ from its disk instead of the wire.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -33,6 +37,29 @@ from .remote import RemoteTensor
 from .stats import Counters
 
 
+class Resident:
+    """A graph's resident arguments at its last call, and the argument binding the worker keeps of them."""
+
+    __slots__ = ("positions", "refs", "versions", "run_args", "free", "generation", "id", "held")
+
+    def __init__(self, positions: tuple[int, ...], args: Sequence, run_args: list, generation: int,
+                 binding_id: int) -> None:
+        self.positions = positions  # argument indices sent as RefArg
+        self.refs = tuple(weakref.ref(args[i]) for i in positions)  # weak: a model that goes away takes them
+        self.versions = tuple(args[i]._version for i in positions)
+        self.run_args = run_args  # the RefArg at each of those positions, None elsewhere
+        self.free = tuple(i for i in range(len(args)) if run_args[i] is None)  # the others
+        self.generation = generation  # Uploads.generation when made
+        self.id = binding_id if positions else 0  # its binding id (0: none)
+        self.held = False  # the worker holds the binding (a run that made it was answered)
+
+    def same(self, args: Sequence) -> bool:
+        """The same tensors at the same versions as when it was made."""
+        live = [r() for r in self.refs]
+        return all(map(operator.is_, live, [args[i] for i in self.positions])) and \
+            tuple([t._version for t in live]) == self.versions
+
+
 class Uploads:
     """Graph ids and content ids one worker holds for the session; uploads what it lacks."""
 
@@ -45,9 +72,9 @@ class Uploads:
         # hook around large uploads: progress(description, nbytes) -> context giving advance(n)
         self.progress: Callable[[str, int], AbstractContextManager] | None = None
         self.worker_name: Callable[[], str] = lambda: link.url or "the worker"
-        # graph id -> [(argument index, weak reference, version, RefArg)] of its last call's resident
-        # arguments (weak: a model that goes away takes its weights with it)
-        self._last: dict[str, list] = {}
+        self._last: dict[str, Resident] = {}  # graph id -> its last call's resident arguments
+        self.generation = 0  # counts the times content ids left ``tensors`` (each invalidates _last)
+        self._binding_ids = 0  # binding ids given out (at most MAX_BINDINGS; after that, none)
         self.released: list[str] = []  # content ids no longer referenced, for the next Pending
         self._nonce: bytes | None = None  # the session's possession nonce (b"": the worker keeps no disk cache)
 
@@ -57,19 +84,30 @@ class Uploads:
         if tid in self.tensors:
             self.tensors.discard(tid)
             self.released.append(tid)
+            self.generation += 1
 
     def reset(self) -> None:
         """The worker lost the session: it holds nothing of ours."""
         self.graphs.clear()
         self.tensors.clear()
         self._nonce = None
+        self.generation += 1
+        for last in self._last.values():
+            last.held = False
 
     def forget(self, exc: errors.MissingObjectsError) -> bool:
         """Take the worker's word that it lacks these objects; False when one cannot be uploaded again."""
         if not exc.recoverable:
             return False
         self.graphs.difference_update(exc.graphs)
-        self.tensors.difference_update(exc.tensors)
+        if exc.tensors:
+            self.tensors.difference_update(exc.tensors)
+            self.generation += 1
+        if exc.bindings:
+            gone = set(exc.bindings)
+            for last in self._last.values():
+                if last.id in gone:
+                    last.held = False
         return True
 
     def ensure_graph(self, graph: Graph) -> None:
@@ -87,19 +125,13 @@ class Uploads:
         self.graphs.add(graph.graph_id)
         self.stats.graphs_uploaded += 1
 
-    def resident_args(self, graph: Graph, args: Sequence) -> list:
+    def resident_args(self, graph: Graph, args: Sequence) -> tuple[list, Resident]:
         """Wire arguments with the graph's resident tensors as ``RefArg`` (the rest None), uploading
-        what the worker lacks. The same tensors at the same versions as last time: nothing is hashed."""
+        what the worker lacks, and their :class:`Resident` record (its binding). The same tensors at
+        the same versions as last time, with nothing released since: nothing is hashed."""
         last = self._last.get(graph.graph_id)
-        if last is not None:
-            run_args, held = [None] * len(args), self.tensors
-            for i, ref, version, arg in last:
-                a = args[i]
-                if ref() is not a or a._version != version or arg.id not in held:
-                    break
-                run_args[i] = arg
-            else:
-                return run_args
+        if last is not None and last.generation == self.generation and last.same(args):
+            return last.run_args.copy(), last
         run_args, uploads = [None] * len(args), {}
         for i in graph.resident:
             a = args[i]
@@ -108,11 +140,20 @@ class Uploads:
                 if tid not in self.tensors:
                     uploads[tid] = a
                 run_args[i] = m.RefArg(tid)
-        self._last[graph.graph_id] = [(i, weakref.ref(args[i]), args[i]._version, run_args[i])
-                                      for i in graph.resident if run_args[i] is not None]
         if uploads:
             self.upload(uploads)
-        return run_args
+        positions = tuple(i for i in graph.resident if run_args[i] is not None)
+        if last is None and positions and self._binding_ids < m.MAX_BINDINGS:
+            self._binding_ids += 1
+            binding_id = self._binding_ids
+        else:
+            binding_id = last.id if last is not None else 0
+        made = Resident(positions, args, run_args.copy(), self.generation, binding_id)
+        # the worker still holds the binding when it binds the same ids and none had to go up again
+        made.held = bool(last is not None and last.held and not uploads and last.positions == positions
+                         and all(last.run_args[i] == run_args[i] for i in positions))
+        self._last[graph.graph_id] = made
+        return run_args, made
 
     def refs(self, tensors: Sequence[torch.Tensor]) -> list[str]:
         """Content ids of resident tensors, uploading those the worker lacks."""

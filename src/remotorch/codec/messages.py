@@ -13,7 +13,8 @@ import msgspec
 from .cache import Challenge, ChallengeReply, Have, HaveReply
 from .groups import BroadcastSlots, JoinGroup, LeaveGroup, OpenStore, ReduceGrads, StoreReply
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
+MAX_BINDINGS = 4096  # argument bindings a session may hold on a worker (Run.bind, §8.1)
 
 
 class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
@@ -141,6 +142,11 @@ class Run(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
       into the slot's gradient (answered as a nil scalar).
     * ``send``: outputs delivered worker to worker before the reply (nil here).
     * Everything else is sent back inline.
+
+    ``bind`` (1 … MAX_BINDINGS) asks the worker to remember this call's
+    ``RefArg`` arguments as binding ``bind`` of the session, for this graph;
+    ``bound`` names such a binding: ``args`` then holds only the arguments
+    at the positions it does not cover, in order (protocol.md §8.1).
     """
 
     graph_id: str
@@ -153,6 +159,8 @@ class Run(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
     saved_from: int = -1
     grads: list[list[int]] = []
     send: list[SendOutputs] = []
+    bind: int = 0
+    bound: int = 0
 
 
 class Echo(msgspec.Struct, frozen=True, tag="echo", omit_defaults=True):
@@ -230,6 +238,7 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error", omit_defaults=True):
     handles: list[int] = []  # and worker-side state it cannot (saved activations, values, slots, optimizers)
     slots: list[int] = []
     optims: list[int] = []
+    bindings: list[int] = []  # argument bindings (Run.bound) the client makes again by sending the arguments
 
 
 # ------------------------------------------- training: parameter slots, optimizers

@@ -41,7 +41,7 @@ def error_reply(exc: RemoteError) -> bytes:
     """A typed failure as the reply header (missing objects listed, for the client to re-upload)."""
     if isinstance(exc, MissingObjectsError):
         return m.encode(m.ErrorReply(exc.kind, exc.message, exc.remote_traceback, exc.graphs, exc.tensors,
-                                     exc.handles, exc.slots, exc.optims))
+                                     exc.handles, exc.slots, exc.optims, exc.bindings))
     return m.encode(m.ErrorReply(exc.kind, exc.message, exc.remote_traceback))
 
 

@@ -90,6 +90,16 @@ class Ran:
 
 
 @dataclass(frozen=True)
+class _Binding:
+    """A graph's resident arguments a session named once (``Run.bind``): their values, in place."""
+
+    graph_id: str
+    template: list  # the graph's arguments: the bound tensors at their positions, None elsewhere
+    free: tuple[int, ...]  # the positions a ``Run.bound`` request's ``args`` fill, in order
+    ids: frozenset[str]  # the content ids it holds (a release of one drops it)
+
+
+@dataclass(frozen=True)
 class _Prepared:
     fn: Callable
     values: list
@@ -123,6 +133,7 @@ class Worker:
         # namespaces of custom operators graphs may call (registered here: see worker/custom_ops.py)
         self.allow_ops = frozenset(allow_ops)
         self.disk = disk  # the cache on disk (``serve --cache-dir``): uploads and artifacts across restarts
+        self._bindings: dict[object, dict[int, _Binding]] = {}  # session -> binding id -> binding
 
     # ------------------------------------------------------------------ sessions
     def close_session(self, session: object) -> None:
@@ -132,6 +143,7 @@ class Worker:
         self.handles.drop_session(session)
         self.trainables.drop_session(session)
         self.groups.drop_session(session)
+        self._bindings.pop(session, None)
 
     def apply_pending(self, session: object, p: m.Pending) -> None:
         """The client's deferred housekeeping: zero_grad first, then drop what it no longer references."""
@@ -141,6 +153,7 @@ class Worker:
             self.handles.release(session, p.handles)
         if p.tensors:
             self._tensors.release(session, p.tensors)
+            self._unbind(session, p.tensors)
 
     def state_bytes(self, session: object | None = None) -> int:
         """Bytes of kept values, parameters, gradients and optimizer state (one session, or all)."""
@@ -297,7 +310,7 @@ class Worker:
         """
         plan = OutputPlan.of(req)
         grads = grad_slots(self, session, req.grads) if req.grads else {}
-        prep = self._prepare(session, req.graph_id, req.engine, req.args, frames)
+        prep = self._prepare(session, req.graph_id, req.engine, req.args, frames, req.bind, req.bound)
         if req.keep_inputs:
             self._keep_inputs(session, req.keep_inputs, prep.values)
         out, ms = self._guarded(req.engine, lambda: self._call(prep.fn, prep.values))
@@ -322,8 +335,17 @@ class Worker:
         runs = self._guarded(engine, lambda: time_runs(prep.fn, prep.values, self.device, warmups, repeats))
         return _as_list(runs.outputs), runs, prep.compiled, prep.compile_ms
 
-    def _prepare(self, session: object, gid: str, engine: str, args: list, frames) -> _Prepared:
-        """The graph, its engine's callable and the argument values, checked; the same for every kind of run."""
+    def _prepare(self, session: object, gid: str, engine: str, args: list, frames, bind: int = 0,
+                 bound: int = 0) -> _Prepared:
+        """The graph, its engine's callable and the argument values, checked; the same for every kind of run.
+
+        ``bound``: ``args`` are the arguments binding ``bound`` does not cover
+        (its tensors fill the other positions); ``bind``: remember this call's
+        ``RefArg`` arguments as binding ``bind`` (once they are all held and pass the graph's checks).
+        """
+        if bind and bound:
+            raise InvalidRequestError("a run names an argument binding or makes one, not both")
+        binding = self._binding(session, bound, gid, len(args)) if bound else None
         values = self.values(session, args, frames)
         missing_t = [a.id for a, v in zip(args, values) if v is _MISSING]
         missing_g = self._graphs.missing(session, [gid])
@@ -331,10 +353,49 @@ class Worker:
             raise MissingObjectsError("worker does not hold these objects for this session",
                                       graphs=missing_g, tensors=missing_t)
         graph: _GraphEntry = self._graphs.get(session, gid)
-        self._check_args(graph, values)
+        if binding is not None:
+            full = binding.template.copy()
+            for i, v in zip(binding.free, values):
+                full[i] = v
+            values = full
+            self._check_args(graph, values, binding.free)  # the bound ones passed when they were bound
+        else:
+            self._check_args(graph, values)
+            if bind:
+                self._bind(session, bind, gid, args, values)
         start = time.perf_counter()
         fn, compiled = self._compiled(graph, engine, values)
         return _Prepared(fn, values, compiled, (time.perf_counter() - start) * 1e3 if compiled else 0.0)
+
+    def _binding(self, session: object, bound: int, gid: str, n_args: int) -> _Binding:
+        binding = self._bindings.get(session, {}).get(bound)
+        if binding is None:
+            raise MissingObjectsError(f"worker does not hold argument binding {bound} for this session",
+                                      bindings=[bound])
+        if binding.graph_id != gid or n_args != len(binding.free):
+            raise InvalidRequestError(f"argument binding {bound} is for another graph or takes "
+                                      f"{len(binding.free)} arguments, not {n_args}")
+        return binding
+
+    def _bind(self, session: object, bind: int, gid: str, args: list, values: list) -> None:
+        """Remember the ``RefArg`` arguments of this call as binding ``bind`` (replacing one of that id)."""
+        held = self._bindings.setdefault(session, {})
+        if not (type(bind) is int and 1 <= bind <= m.MAX_BINDINGS):
+            raise InvalidRequestError(f"an argument binding id is 1 to {m.MAX_BINDINGS}, not {bind}")
+        refs = [i for i, a in enumerate(args) if type(a) is m.RefArg]
+        template = [None] * len(values)
+        for i in refs:
+            template[i] = values[i]
+        held[bind] = _Binding(gid, template, tuple(i for i in range(len(args)) if type(args[i]) is not m.RefArg),
+                              frozenset(args[i].id for i in refs))
+
+    def _unbind(self, session: object, ids) -> None:
+        """Drop the session's bindings that hold any of these content ids (released: no longer its own)."""
+        held = self._bindings.get(session)
+        if held:
+            gone = set(ids)
+            for bid in [b for b, binding in held.items() if not gone.isdisjoint(binding.ids)]:
+                del held[bid]
 
     def _keep_inputs(self, session: object, pairs: list[list[int]], values: list) -> None:
         if not all(len(p) == 2 and type(p[0]) is int and 0 <= p[0] < len(values)
@@ -434,12 +495,13 @@ class Worker:
             return fn, True
 
     @staticmethod
-    def _check_args(graph: _GraphEntry, values: list) -> None:
+    def _check_args(graph: _GraphEntry, values: list, positions=None) -> None:
+        """Each value (or those at ``positions``) against the graph's argument checks."""
         if len(values) != len(graph.checks):
             raise InvalidRequestError(f"graph takes {len(graph.checks)} arguments, got {len(values)}")
-        passed = graph.passed
-        for i, check in enumerate(graph.checks):
-            v, ref = values[i], passed[i]
+        passed, checks = graph.passed, graph.checks
+        for i in range(len(checks)) if positions is None else positions:
+            check, v, ref = checks[i], values[i], passed[i]
             if ref is not None and ref() is v:
                 continue
             check.check(i, v)
