@@ -44,9 +44,11 @@ logits), all without gradients. The systems:
 
 Every process does its intra-op work on one thread (``torch.set_num_threads(1)``,
 ``--threads 1``). Calls are timed one by one in interleaved rounds: within each
-round every system takes its turn (round robin, the order rotating from round
-to round), so the machine's noise hits all alike (torch RPC: its own rounds,
-above). Each system's output is
+round every system takes its turn, in an order shuffled from round to round
+(seeded: the same every run), so the machine's noise hits all alike and no
+system always follows the same other (whose leftover work or warm caches
+would then always be its neighbour's); torch RPC has its own rounds, above.
+Each system's output is
 checked against the local model's (``allclose``) before timing and after each
 round, and must be an ordinary tensor in this process (remotorch's output is
 read, so it comes back rather than staying on the worker): no system is fast
@@ -54,6 +56,10 @@ because it is wrong or because it skipped the bytes.
 
 Printed per model: each system's median and p99 (µs) and its ratio to local
 (for remotorch also the worker's own mean graph time, from ``Session.stats()``);
+for information, the median of each turn's first call, which runs after the
+other systems' turns with its code and data out of the caches (one call in
+``calls per round``: with 25, 4% of the calls, so the p99 is one of them),
+and the p99 of the other calls;
 remotorch / best peer (the best of pickle/zmq, torch RPC and Ray) and
 (remotorch - local) / (floor - local); and how much of the gap to the
 floor is torch.compile's own (floor compiled / floor). Targets (the hot-path
@@ -91,6 +97,7 @@ import json
 import math
 import os
 import platform
+import random
 import secrets
 import signal
 import socket
@@ -385,17 +392,26 @@ def check(system: str, got, expected: torch.Tensor, matched: dict) -> None:
     m["max_abs_diff"] = max(m["max_abs_diff"], (got - expected).abs().max().item())
 
 
-def summary(samples_ns: list[int]) -> dict:
-    """Median and p99 of per-call samples, in microseconds."""
+def summary(samples_ns: list[int], per_turn: int) -> dict:
+    """Median and p99 of per-call samples, in microseconds; and, for information, the median of
+    each turn's first call (the one after the other systems ran) and the p99 of the others."""
     s = sorted(samples_ns)
-    p99 = s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))]
-    return {"median_us": statistics.median(s) / 1e3, "p99_us": p99 / 1e3, "n": len(s)}
+    firsts = samples_ns[::per_turn]
+    rest = sorted(t for i, t in enumerate(samples_ns) if i % per_turn)
+    return {"median_us": statistics.median(s) / 1e3, "p99_us": _p99(s) / 1e3, "n": len(s),
+            "first_of_turn_median_us": statistics.median(firsts) / 1e3,
+            "p99_after_first_us": _p99(rest) / 1e3 if rest else None}
+
+
+def _p99(s: list[int]) -> int:
+    return s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))]
 
 
 def interleaved(probes: dict, x: torch.Tensor, expected: torch.Tensor, plan: tuple[int, int, int],
                 matched: dict) -> dict[str, dict]:
-    """Warm each system up, then time call by call in rounds that rotate the order of the systems."""
+    """Warm each system up, then time call by call in rounds that shuffle the order of the systems."""
     rounds, per_round, warmup = plan
+    order = random.Random(26)
     for system, fn in probes.items():
         for _ in range(warmup):
             fn(x)
@@ -403,15 +419,17 @@ def interleaved(probes: dict, x: torch.Tensor, expected: torch.Tensor, plan: tup
     names = list(probes)
     samples: dict[str, list[int]] = {n: [] for n in names}
     clock = time.perf_counter_ns
-    for r in range(rounds):
-        for system in names[r % len(names):] + names[:r % len(names)]:
+    for _ in range(rounds):
+        turns = names[:]
+        order.shuffle(turns)
+        for system in turns:
             fn, times = probes[system], samples[system]
             for _ in range(per_round):
                 t0 = clock()
                 got = fn(x)
                 times.append(clock() - t0)
             check(system, got, expected, matched)
-    return {n: summary(samples[n]) for n in names}
+    return {n: summary(samples[n], per_round) for n in names}
 
 
 def ratios(rows: dict[str, dict]) -> dict:
@@ -507,13 +525,14 @@ def first_check(system: str, fn, x: torch.Tensor, expected: torch.Tensor) -> Non
 def print_run(i: int, run: dict, spin_us: float) -> None:
     say(f"\nRun {i + 1}")
     say(f"  {'system':24s} {'model':6s} {'median µs':>10s} {'p99 µs':>10s} {'x local':>8s} {'p99/med':>8s} "
-        f"{'worker graph µs':>16s}")
+        f"{'1st of turn':>11s} {'p99 rest':>9s} {'worker graph µs':>16s}")
     for name in NAMES:
         for system, r in run[name]["rows"].items():
             label = system.replace("spin", f"spin {spin_us:g}µs" if spin_us else "no polling")
             graph = f"{r['worker_graph_mean_us']:16.1f}" if "worker_graph_mean_us" in r else ""
+            rest = "" if r["p99_after_first_us"] is None else f"{r['p99_after_first_us']:9.1f}"
             say(f"  {label:24s} {name:6s} {r['median_us']:10.1f} {r['p99_us']:10.1f} {r['vs_local']:8.2f} "
-                f"{r['p99_us'] / r['median_us']:8.2f} {graph}")
+                f"{r['p99_us'] / r['median_us']:8.2f} {r['first_of_turn_median_us']:11.1f} {rest:>9s} {graph}")
         say("")
     for name in NAMES:
         rt = run[name]["ratios"]
