@@ -29,7 +29,15 @@ Phases, in order (client C, worker W):
 ``--model gpt2`` (or ``block``) takes the peer benchmark's other models
 instead (``benchmarks/_peers/models.py``).
 
-    python benchmarks/warm_call.py [--calls 2000] [--transport tcp|unix] [--model mlp|block|gpt2]
+``--floor`` stamps the "floor compiled" of ``benchmarks/peers.py`` the same
+way instead, for the same model: ``torch.compile`` with a backend that sends
+the input's raw bytes over TCP to a server running the module and returns
+its raw reply (no framing, no MAC, one reused output buffer), each call's
+output read. Phases: dynamo in (to the backend's function), send, wire +
+server receive, server compute, server send, client receive (the rest after
+the server's send), dynamo out + read.
+
+    python benchmarks/warm_call.py [--calls 2000] [--transport tcp|unix] [--model mlp|block|gpt2] [--floor]
 """
 
 from __future__ import annotations
@@ -139,23 +147,130 @@ def client_stamps(conn) -> list:
     return stamps
 
 
+# The floor's server for --floor: the module, raw bytes in and out, each call's compute and send stamped.
+FLOOR = r'''
+import json, socket, sys, time
+import torch
+torch.set_num_threads(1)
+sys.path.insert(0, sys.argv[3])
+import warm_call
+model, ex = warm_call.model_and_input(sys.argv[1])
+srv = socket.create_server(("127.0.0.1", 0))
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+buf = bytearray(ex.numel() * ex.element_size())
+view = memoryview(buf)
+x = torch.frombuffer(buf, dtype=ex.dtype).view(ex.shape)
+stamps = []
+with torch.no_grad():
+    while True:
+        got = 0
+        while got < len(view):
+            k = conn.recv_into(view[got:], len(view) - got)
+            if not k:
+                with open(sys.argv[2], "w") as f:
+                    json.dump(stamps, f)
+                sys.exit(0)
+            got += k
+        t0 = time.perf_counter()
+        y = model(x).contiguous()
+        t1 = time.perf_counter()
+        conn.sendall(memoryview(y.numpy()).cast("B"))
+        stamps.append((t0, t1, time.perf_counter()))
+'''
+
+
+def model_and_input(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    if name == "mlp":
+        return mlp(), torch.randn(32, 784, generator=torch.Generator().manual_seed(1))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _peers.models import build_module, example_input
+    return build_module(name), example_input(name)
+
+
+def floor_phases(name: str, calls: int) -> int:
+    """``--floor``: the floor compiled's phases for the same model (see the module's docstring)."""
+    import socket
+
+    folder = tempfile.mkdtemp(prefix="remotorch-warm-call-")
+    stamps_path = os.path.join(folder, "floor.json")
+    proc = subprocess.Popen([sys.executable, "-c", FLOOR, name, stamps_path, os.path.dirname(os.path.abspath(__file__))],
+                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    model, x = model_and_input(name)
+    sock = socket.create_connection(("127.0.0.1", int(proc.stdout.readline())))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with torch.no_grad():
+        want = model(x)
+    out = torch.empty_like(want)
+    view = memoryview(out.numpy()).cast("B")
+    mine: list = []
+
+    def call(arg: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        sock.sendall(memoryview(arg.numpy()).cast("B"))
+        t1 = time.perf_counter()
+        got = 0
+        while got < len(view):
+            k = sock.recv_into(view[got:], len(view) - got)
+            if not k:
+                raise ConnectionError("the floor server closed the connection")
+            got += k
+        mine.append((t0, t1, time.perf_counter()))
+        return out
+
+    def backend(gm, example_inputs):
+        i = next(j for j, t in enumerate(example_inputs) if type(t) is torch.Tensor)
+        return lambda *a: (call(a[i]),)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    timed = []
+    try:
+        with torch.no_grad():
+            for _ in range(300 if name == "mlp" else 20):
+                compiled(x).sum()
+            warm = len(mine)
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                y = compiled(x)
+                y.sum()
+                timed.append((t0, time.perf_counter()))
+            if not torch.allclose(y, want, atol=1e-5):
+                print("WRONG RESULT")
+                return 1
+    finally:
+        sock.close()
+        proc.wait(timeout=60)
+    with open(stamps_path) as fh:
+        theirs = json.load(fh)[warm:]
+    phases: dict[str, list] = {k: [] for k in ("dynamo in", "send", "wire + server receive", "server compute",
+                                               "server send", "client receive", "dynamo out + read", "total")}
+    for (t0, t9), (a, b, done), (s0, s1, s2) in zip(timed, mine[warm:], theirs):
+        for key, value in zip(phases, (a - t0, b - a, s0 - b, s1 - s0, s2 - s1, done - s2, t9 - done, t9 - t0)):
+            phases[key].append(value)
+    print(f"floor compiled phases: {name}, tcp, one thread per process, {len(timed)} calls")
+    total = statistics.median(phases["total"])
+    for key, values in phases.items():
+        med = statistics.median(values)
+        print(f"  {key:24s} {med * 1e6:8.1f} µs {'' if key == 'total' else f'{med / total:6.1%}'}")
+    print("  (medians of each phase; they need not add up to the median total)")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--transport", choices=("tcp", "unix"), default="tcp")
     ap.add_argument("--model", choices=("mlp", "block", "gpt2"), default="mlp")
+    ap.add_argument("--floor", action="store_true", help="stamp the floor compiled instead of remotorch")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.floor:
+        return floor_phases(args.model, args.calls)
     token = secrets.token_hex(16)
     folder = tempfile.mkdtemp(prefix="remotorch-warm-call-")
     stamps_path = os.path.join(folder, "stamps.json")
     proc, url = start_worker(args.transport, folder, token, stamps_path)
-    if args.model == "mlp":
-        model, x = mlp(), torch.randn(32, 784, generator=torch.Generator().manual_seed(1))
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from _peers.models import build_module, example_input
-        model, x = build_module(args.model), example_input(args.model)
+    model, x = model_and_input(args.model)
     with torch.no_grad():
         want = model(x)
     calls = []
