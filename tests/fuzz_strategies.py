@@ -14,6 +14,7 @@ msgpack_values = st.recursive(
 bodies = st.fixed_dictionaries({"type": st.sampled_from(["health", "put_graph", "put_tensors", "run", "echo",
                                                          "attach", "detach", "heartbeat", "ok", "zz"])},
                                optional={k: msgpack_values for k in ("graph_id", "doc", "consts", "ids", "metas",
-                                                                    "engine", "args", "session_id")})
+                                                                    "engine", "args", "session_id", "bind",
+                                                                    "bound")})
 envelopes = st.tuples(st.sampled_from([m.PROTOCOL_VERSION, m.PROTOCOL_VERSION, 0, 2]), bodies)
 

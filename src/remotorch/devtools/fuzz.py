@@ -126,8 +126,12 @@ def _body(rng: random.Random, frame_list: list[bytes]) -> dict:
     if kind == "run":
         args = [rng.choice([["t", _meta(rng, frames)], ["r", _id(rng)], ["s", _value(rng)], ["x", 1], []])
                 for _ in range(rng.randrange(0, 5))]
-        return {"type": "run", "graph_id": _id(rng), "engine": rng.choice(["eager", "inductor", "", "os"]),
+        body = {"type": "run", "graph_id": _id(rng), "engine": rng.choice(["eager", "inductor", "", "os"]),
                 "args": args}
+        for field in ("bind", "bound"):  # argument bindings (protocol.md §8.1), in range and not
+            if rng.random() < 0.3:
+                body[field] = rng.choice([1, 2, 4096, 4097, 0, -1, 2**63, "1", None])
+        return body
     if kind == "attach":
         return {"type": "attach", "session_id": rng.choice([_id(rng), 5, None])}
     return {rng.choice(["type", "graph_id", "doc"]): _value(rng) for _ in range(rng.randrange(0, 5))} | \
