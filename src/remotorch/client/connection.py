@@ -258,7 +258,7 @@ class Connection:
         ``(reply, frames)``.
         """
         with self.lock:
-            uploads = 0
+            again = 0  # builds after the worker forgot graphs or tensors
             for _ in range(3):
                 try:
                     if graph is not None:
@@ -269,9 +269,9 @@ class Connection:
                         self.stats.ran(reply, body)
                     return reply, out
                 except errors.MissingObjectsError as exc:
-                    if uploads or not self.uploads.forget(exc):
+                    if again or not self.uploads.forget(exc):
                         raise
-                    uploads += bool(exc.graphs or exc.tensors or not exc.bindings)
+                    again += bool(exc.graphs or exc.tensors or not exc.bindings)
             raise AssertionError("unreachable")
 
     def run(self, graph: Graph, args: Sequence, *, request: type = m.Run, expect: type = m.RunReply,
@@ -301,7 +301,7 @@ class Connection:
             if self.reuse.keep_inputs:
                 extra["keep_inputs"] = self.reuse.keep_inputs
             binds[0] = None
-            if plain and resident is not None and resident.id:  # resident arguments by binding
+            if plain and resident.id:  # resident arguments by binding (plain: placed is None)
                 if resident.held:
                     run_args = [run_args[i] for i in resident.free]
                     extra["bound"] = resident.id

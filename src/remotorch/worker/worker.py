@@ -379,14 +379,13 @@ class Worker:
 
     def _bind(self, session: object, bind: int, gid: str, args: list, values: list) -> None:
         """Remember the ``RefArg`` arguments of this call as binding ``bind`` (replacing one of that id)."""
-        held = self._bindings.setdefault(session, {})
         if not (type(bind) is int and 1 <= bind <= m.MAX_BINDINGS):
             raise InvalidRequestError(f"an argument binding id is 1 to {m.MAX_BINDINGS}, not {bind}")
         refs = [i for i, a in enumerate(args) if type(a) is m.RefArg]
         template = [None] * len(values)
         for i in refs:
             template[i] = values[i]
-        held[bind] = _Binding(gid, template, tuple(i for i in range(len(args)) if type(args[i]) is not m.RefArg),
+        self._bindings.setdefault(session, {})[bind] = _Binding(gid, template, tuple(i for i in range(len(args)) if type(args[i]) is not m.RefArg),
                               frozenset(args[i].id for i in refs))
 
     def _unbind(self, session: object, ids) -> None:
