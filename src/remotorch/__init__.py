@@ -17,9 +17,10 @@ from .profile import accelerate, explain, remote_profile
 from .client.session import Session, default_session
 from .capture import backend as _backend
 from .training.client import TrainingClient as _TrainingClient
+from .training.writes import install_optimizer_hooks as _install_optimizer_hooks, mark_changed
 from .devtools import models  # example models (``from remotorch import models``)
 
-__all__ = ["Session", "accelerate", "compile", "default_session", "errors", "explain", "models", "optim",
+__all__ = ["Session", "accelerate", "compile", "default_session", "errors", "explain", "mark_changed", "models", "optim",
            "parallel", "pipeline", "remote_profile", "remotorch_backend"]
 __version__ = "0.1.0"
 
@@ -51,3 +52,4 @@ _register_backend()
 # the root wires the parts that must not import each other
 _backend.default_runner = default_session  # what captured graphs run on when no session is given
 Session.make_trainer = _TrainingClient  # how a session trains on a worker (client never imports training)
+_install_optimizer_hooks()  # any torch.optim step, fused ones included, marks what it wrote

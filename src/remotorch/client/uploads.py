@@ -31,7 +31,7 @@ from ..codec import messages as m, possession
 from ..codec.frames import FrameWriter
 from ..codec.tensors import tensor_to_wire
 from .graph import Graph
-from .ids import ContentIds
+from .ids import ContentIds, stamp
 from .link import Link
 from .remote import RemoteTensor
 from .stats import Counters
@@ -40,13 +40,13 @@ from .stats import Counters
 class Resident:
     """A graph's resident arguments at its last call, and the argument binding the worker keeps of them."""
 
-    __slots__ = ("positions", "refs", "versions", "run_args", "free", "generation", "id", "held")
+    __slots__ = ("positions", "refs", "stamps", "run_args", "free", "generation", "id", "held")
 
     def __init__(self, positions: tuple[int, ...], args: Sequence, run_args: list, generation: int,
                  binding_id: int) -> None:
         self.positions = positions  # argument indices sent as RefArg
         self.refs = tuple(weakref.ref(args[i]) for i in positions)  # weak: a model that goes away takes them
-        self.versions = tuple(args[i]._version for i in positions)
+        self.stamps = tuple(stamp(args[i]) for i in positions)
         self.run_args = run_args  # the RefArg at each of those positions, None elsewhere
         self.free = tuple(i for i in range(len(args)) if run_args[i] is None)  # the others
         self.generation = generation  # Uploads.generation when made
@@ -54,10 +54,10 @@ class Resident:
         self.held = False  # the worker holds the binding (a run that made it was answered)
 
     def same(self, args: Sequence) -> bool:
-        """The same tensors at the same versions as when it was made."""
+        """The same tensors with the same local values (:func:`~remotorch.client.ids.stamp`) as when it was made."""
         live = [r() for r in self.refs]
         return all(map(operator.is_, live, [args[i] for i in self.positions])) and \
-            tuple([t._version for t in live]) == self.versions
+            tuple(map(stamp, live)) == self.stamps
 
 
 class Uploads:

@@ -27,6 +27,7 @@ import torch
 from ..codec import messages as m
 from ..codec.tensors import dtype_name
 from ..training.client import TrainingClient
+from ..client.ids import stamp
 from ..client.pool import run_all
 from ..training.groups import WorkerGroup
 
@@ -52,7 +53,7 @@ class Column:
         Replica 0's slots must be bound (its stages bind them) before.
         """
         mirrors = [[c.claim(t) for t in self.params] for c in self.clients[1:]]
-        if not any(slot.version != t._version for slots in mirrors for slot, t in zip(slots, self.params)):
+        if not any(slot.stamp != stamp(t) for slots in mirrors for slot, t in zip(slots, self.params)):
             return False
         shapes = [list(t.shape) for t in self.params]
         dtypes = [dtype_name(t.dtype) for t in self.params]
@@ -66,7 +67,7 @@ class Column:
         for client in self.clients[1:]:
             for t in self.params:
                 slot = client.claim(t)
-                slot.version, slot.stepped = t._version, False
+                slot.stamp, slot.stepped = stamp(t), False
             client.slots.bound = True
 
     def start(self, rank: int, params: Sequence[torch.Tensor], bucket_bytes: int) -> None:

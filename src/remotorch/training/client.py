@@ -27,6 +27,7 @@ import torch
 
 from .. import errors
 from ..client.connection import Connection, Graph
+from ..client.ids import stamp
 from ..client.remote import RemoteTensor, placeholder
 from ..client.session import Session
 from ..codec import messages as m
@@ -132,12 +133,12 @@ class TrainingClient:
         for t, _ in todo:
             tid = conn.held(t)
             values.append(m.RefArg(tid) if tid is not None else w.tensor(t))
-        versions = [t._version for t, _ in todo]
+        stamps = [stamp(t) for t, _ in todo]
         self.request(m.BindSlots([slot.sid for _, slot in todo], values), w.frames, expect=m.Ok)
         for tid in lent:  # each slot took its own copy
             conn.release(tid)
-        for (_, slot), version in zip(todo, versions):
-            slot.version = version
+        for (_, slot), now in zip(todo, stamps):
+            slot.stamp = now
             slot.stepped = False
         self.slots.bound = True
         conn.stats.tensors_uploaded += len(w.frames)
@@ -295,7 +296,7 @@ class TrainingClient:
         """Copy slot values (and gradients) from the worker into these local tensors."""
         with self.connection.lock:
             pairs = [(t, self.slots.lookup(t)) for t in tensors]
-            pairs = [(t, slot) for t, slot in pairs if slot is not None and slot.version >= 0]
+            pairs = [(t, slot) for t, slot in pairs if slot is not None and slot.stamp is not None]
             if not pairs:
                 return 0
             self.bind_stale([t for t, _ in pairs])  # a local change made since wins, as on a call
@@ -306,7 +307,7 @@ class TrainingClient:
             for (t, slot), meta in zip(pairs, reply.values):
                 with torch.no_grad():
                     t.copy_(reader.tensor(meta))
-                slot.version = t._version
+                slot.stamp = stamp(t)
                 slot.stepped = False
             for (t, slot), meta in zip(pairs, reply.grads if grads else []):
                 if slot.optims:  # other gradients live in p.grad already

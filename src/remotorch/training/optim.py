@@ -55,6 +55,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
     code) are moved to the worker before ``step()`` and ``clip_grad_norm_()``.
     """
 
+    runs_remotely = True  # its step() changes the worker's values, not the local ones (training/writes.py)
+
     def __init__(self, optimizer_class: type[torch.optim.Optimizer], params, *, session=None,
                  client: TrainingClient | None = None, **hyperparameters) -> None:
         name = getattr(optimizer_class, "__name__", "")

@@ -9,11 +9,13 @@ uploaded before the next call, as below).
 
 Once a trainable parameter is in a slot, the worker's value is the truth: the
 optimizer updates it there and the local tensor goes stale without its
-version counter moving. So a slot records the local ``_version`` at the last
-moment both sides were known equal (bind or pull). While the local version
-stays there, calls reference the slot and nothing is uploaded; when it moved,
-the user changed the tensor in place here, and the next call binds the slot
-to the new local value (that local change wins, as it would in plain PyTorch).
+version counter moving. So a slot records the local value's stamp
+(:func:`remotorch.client.ids.stamp`: the version counter and the data's
+address) at the last moment both sides were known equal (bind or pull).
+While the stamp stays, calls reference the slot and nothing is uploaded;
+when it moved, the user changed the tensor here (in place, by a local
+optimizer, or by swapping ``p.data``), and the next call binds the slot to
+the new local value (that local change wins, as it would in plain PyTorch).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..client.ids import stamp
+
 _OWNER_ATTR = "_remotorch_owner"
 _WAITING_ATTR = "_remotorch_waiting_optimizers"
 
@@ -32,7 +36,7 @@ _WAITING_ATTR = "_remotorch_waiting_optimizers"
 class Slot:
     ref: weakref.ref
     sid: int
-    version: int  # local _version when local and worker were last equal; -1 before the first bind
+    stamp: tuple[int, int] | None  # the local stamp when local and worker were last equal; None before the first bind
     # worker-side optimizers over this slot: while there is one, gradients stay on the worker
     optims: set[int] = field(default_factory=set)
     stepped: bool = False  # an optimizer changed the worker's value since the local copy was equal
@@ -61,13 +65,13 @@ class ParamSlots:
         return [(t, slot) for slot in list(self._by_tensor.values()) if (t := slot.ref()) is not None]
 
     def get_or_new(self, t: torch.Tensor, own: bool = True) -> Slot:
-        """The tensor's slot, creating an unbound one (version -1) if needed; ``own``: record this
+        """The tensor's slot, creating an unbound one (no stamp) if needed; ``own``: record this
         client as the tensor's owner (a replica's mirror slot does not)."""
         slot = self.lookup(t)
         if slot is None:
             key, sid = id(t), self._next
             self._next += 1
-            slot = Slot(weakref.ref(t, lambda _, k=key, s=sid: self._dead(k, s)), sid, -1)
+            slot = Slot(weakref.ref(t, lambda _, k=key, s=sid: self._dead(k, s)), sid, None)
             self._by_tensor[key] = slot
             if own:
                 setattr(t, _OWNER_ATTR, self._owner)
@@ -86,7 +90,7 @@ class ParamSlots:
 
     def stale(self, slot: Slot, t: torch.Tensor) -> bool:
         """True when the worker's slot does not hold this tensor's local value of record."""
-        return slot.version != t._version
+        return slot.stamp != stamp(t)
 
     def take_dropped(self) -> list[int]:
         """Slot ids whose local tensor died since the last call."""
