@@ -13,16 +13,16 @@ from remotorch.errors import UnsupportedGraphError
 
 ALL_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
               torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128]
-ALL_DTYPES += [getattr(torch, n) for n in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2")
-               if hasattr(torch, n)]
+ALL_DTYPES += [getattr(torch, n) for n in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
+                                           "complex32") if hasattr(torch, n)]
 
 
 def sample(dtype: torch.dtype, shape=(3, 4)) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     if dtype == torch.bool:
         return torch.rand(shape, generator=g) > 0.5
-    if dtype.is_complex:
-        return torch.randn(shape, dtype=dtype, generator=g)
+    if dtype.is_complex:  # (complex32 has no random generator of its own)
+        return torch.randn(shape, dtype=torch.complex64, generator=g).to(dtype)
     if dtype.is_floating_point:
         return (torch.randn(shape, generator=g) * 4).to(dtype)
     if dtype in (torch.uint16, torch.uint32, torch.uint64):
@@ -142,6 +142,16 @@ def test_gradient_tensors_are_detached():
     meta, back = through_wire(t * 2)
     assert not back.requires_grad
     assert torch.equal(back, (t * 2).detach())
+
+
+def test_a_zero_tensor_travels_as_zeros():
+    # what autograd gives for a gradient known to be zero (sgn's): it has no memory of its own
+    for shape in [(2, 3), (), (0, 4)]:
+        z = torch._efficientzerotensor(shape, dtype=torch.float32)
+        assert z._is_zerotensor()
+        meta, back = through_wire(z)
+        assert not back._is_zerotensor()
+        assert_bitwise(back, torch.zeros(shape))
 
 
 def test_frame_index_is_recorded():

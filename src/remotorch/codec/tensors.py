@@ -2,7 +2,9 @@
 
 Dense tensors (contiguous or a permutation of it) travel as the exact bytes of
 the storage span they cover, with their strides, so the receiver rebuilds the
-same layout without a copy. Anything else is made contiguous first.
+same layout without a copy. Anything else is made contiguous first. A
+ZeroTensor (what autograd gives for a gradient known to be zero, e.g. that
+of ``sgn``) has no memory: it travels as the zeros it stands for.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ _DTYPES: dict[str, torch.dtype] = {
         "bfloat16": torch.bfloat16, "int8": torch.int8, "int16": torch.int16,
         "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8,
         "bool": torch.bool, "complex64": torch.complex64, "complex128": torch.complex128,
+        "complex32": getattr(torch, "complex32", None),
         "uint16": getattr(torch, "uint16", None), "uint32": getattr(torch, "uint32", None),
         "uint64": getattr(torch, "uint64", None),
         "float8_e4m3fn": getattr(torch, "float8_e4m3fn", None),
@@ -29,7 +32,7 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 _NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
 DTYPE_NAMES = frozenset(_DTYPES)
-_ITEMSIZE: dict[torch.dtype, int] = {dt: torch.empty((), dtype=dt).element_size() for dt in _NAMES}
+_ITEMSIZE: dict[torch.dtype, int] = {dt: dt.itemsize for dt in _NAMES}
 # dtypes numpy can view directly (the fast path of tensor_to_wire)
 _NUMPY_VIEWABLE = frozenset({torch.float32, torch.float64, torch.float16, torch.int8, torch.int16,
                              torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64,
@@ -77,9 +80,11 @@ def tensor_to_wire(t: torch.Tensor, frame: int) -> tuple[TensorMeta, memoryview]
     """Describe a tensor and expose its bytes without copying (when it is dense on CPU)."""
     t = t.detach()
     if (t.is_cpu and t.is_contiguous() and t.dtype in _NUMPY_VIEWABLE and not t.is_conj()
-            and not t.is_neg() and t.numel()):  # the common case, a few times cheaper
+            and not t.is_neg() and t.numel() and not t._is_zerotensor()):  # the common case, a few times cheaper
         return (TensorMeta(_NAMES[t.dtype], list(t.shape), list(t.stride()), frame),
                 memoryview(t.numpy()).cast("B"))
+    if t._is_zerotensor():  # no storage to send: the zeros it stands for
+        t = torch.zeros(t.shape, dtype=t.dtype)
     if t.device.type != "cpu":
         t = t.cpu()
     if t.is_conj():
