@@ -2,6 +2,10 @@
 
 A message is frame 0 (an msgpack :class:`Envelope`, with the protocol version) and raw buffer
 frames (tensor bytes, never copied into the header); ``docs/protocol.md`` is the normative text.
+The core requests and replies are declared here; the others live in sibling modules by part of
+the protocol (:mod:`.args`: tensor layouts and call arguments; :mod:`.training`; :mod:`.values`;
+:mod:`.groups`; :mod:`.cache`), and this module is the face of them all: it takes them into
+``Request`` and ``Reply`` and re-exports every one (import them from here: ``m.OptimStep``).
 """
 
 from __future__ import annotations
@@ -10,74 +14,17 @@ from typing import Union
 
 import msgspec
 
+from .args import (Arg, HandleArg, KeptArg, OutputArg, RefArg, RunArg, ScalarArg, SlotArg, TensorArg,
+                   TensorMeta, ViewArg)
 from .cache import Challenge, ChallengeReply, Have, HaveReply
 from .groups import BroadcastSlots, JoinGroup, LeaveGroup, OpenStore, ReduceGrads, StoreReply
+from .training import (AccumulateGrads, BindSlots, ClipGradNorm, Hyper, NormReply, OptimCreate,
+                       OptimGetState, OptimSetState, OptimStateReply, OptimStep, OptimZeroGrad, PullReply,
+                       PullSlots)
+from .values import Deliver, ExpectHandles, Fetch, FetchReply, SendHandles, TicketReply
 
 PROTOCOL_VERSION = 5
 MAX_BINDINGS = 4096  # argument bindings a session may hold on a worker (Run.bind, §8.1)
-
-
-class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
-    """How to view one buffer frame as a tensor: dtype, shape, strides (elements)."""
-
-    dtype: str
-    shape: list[int]
-    strides: list[int]
-    frame: int  # index into the message's buffer frames (0 = first after the header)
-
-
-# ----------------------------------------------------------------- call arguments
-class TensorArg(msgspec.Struct, frozen=True, tag="t", array_like=True):
-    """A tensor sent inline in this message's frames."""
-
-    meta: TensorMeta
-
-
-class RefArg(msgspec.Struct, frozen=True, tag="r", array_like=True):
-    """A tensor already held by the worker, named by its content id."""
-
-    id: str
-
-
-class ScalarArg(msgspec.Struct, frozen=True, tag="s", array_like=True):
-    """A Python scalar (int, float, bool or None): symbolic sizes, unwrapped numbers."""
-
-    value: Union[int, float, bool, None]
-
-
-class HandleArg(msgspec.Struct, frozen=True, tag="h", array_like=True):
-    """A tensor the worker keeps for this session (a saved activation), by handle id."""
-
-    id: int
-
-
-class SlotArg(msgspec.Struct, frozen=True, tag="p", array_like=True):
-    """A trainable parameter the worker keeps for this session, by slot id."""
-
-    id: int
-
-
-class ViewArg(msgspec.Struct, frozen=True, tag="v", array_like=True):
-    """A view of a handle's tensor: sizes, strides and offset in elements, within its storage."""
-
-    id: int
-    shape: list[int]
-    strides: list[int]
-    offset: int
-
-
-class KeptArg(msgspec.Struct, frozen=True, tag="k", array_like=True):
-    """An output the worker kept as handle ``id`` (instead of sending it), with its layout."""
-
-    id: int
-    dtype: str
-    shape: list[int]
-    strides: list[int]
-
-
-Arg = Union[TensorArg, RefArg, ScalarArg]
-RunArg = Union[TensorArg, RefArg, ScalarArg, HandleArg, SlotArg, ViewArg]
-OutputArg = Union[TensorArg, ScalarArg, HandleArg, KeptArg]
 
 
 # ----------------------------------------------------------------------- requests
@@ -241,102 +188,6 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error", omit_defaults=True):
     bindings: list[int] = []  # argument bindings (Run.bound) the client makes again by sending the arguments
 
 
-# ------------------------------------------- training: parameter slots, optimizers
-# Saved activations, trainable parameters and optimizers stay on the worker,
-# in the session; the client names them by small integers it chooses itself
-# (never reused within a client session, so a stale id can never name new state).
-Hyper = Union[int, float, bool, None, str, list[Union[int, float, bool]]]
-
-
-class BindSlots(msgspec.Struct, frozen=True, tag="bind_slots", omit_defaults=True):
-    """Set parameter slots (created if new) from uploaded content (RefArg) or inline tensors."""
-
-    slots: list[int]
-    values: list[Union[TensorArg, RefArg]]
-
-
-class AccumulateGrads(msgspec.Struct, frozen=True, tag="accumulate_grads", omit_defaults=True):
-    """Add gradients computed on the client (frames) into parameter slots' gradients."""
-
-    slots: list[int]
-    metas: list[TensorMeta]
-
-
-class PullSlots(msgspec.Struct, frozen=True, tag="pull_slots", omit_defaults=True):
-    """Ask for the current values (and gradients) of parameter slots."""
-
-    slots: list[int]
-    grads: bool = False
-
-
-class OptimCreate(msgspec.Struct, frozen=True, tag="optim_create", omit_defaults=True):
-    """Create ``torch.optim.<name>`` on the worker over slots, one list per parameter group."""
-
-    optim: int
-    name: str
-    groups: list[list[int]]
-    hyper: list[dict[str, Hyper]]
-
-
-class OptimStep(msgspec.Struct, frozen=True, tag="optim_step", omit_defaults=True):
-    """Set changed hyperparameters per group (``hyper[i]`` for group i), then ``step()``."""
-
-    optim: int
-    hyper: list[dict[str, Hyper]] = []
-
-
-class OptimZeroGrad(msgspec.Struct, frozen=True, tag="optim_zero_grad", omit_defaults=True):
-    """``zero_grad(set_to_none)`` of a worker-side optimizer."""
-
-    optim: int
-    set_to_none: bool = True
-
-
-class ClipGradNorm(msgspec.Struct, frozen=True, tag="clip_grad_norm", omit_defaults=True):
-    """``torch.nn.utils.clip_grad_norm_`` over an optimizer's parameters; answers the norm."""
-
-    optim: int
-    max_norm: float
-    norm_type: float = 2.0
-    error_if_nonfinite: bool = False
-
-
-class OptimGetState(msgspec.Struct, frozen=True, tag="optim_get_state", omit_defaults=True):
-    """Ask for an optimizer's per-parameter state (for a checkpoint)."""
-
-    optim: int
-
-
-class OptimSetState(msgspec.Struct, frozen=True, tag="optim_set_state", omit_defaults=True):
-    """Replace an optimizer's per-parameter state; ``entries`` as in :class:`OptimStateReply`."""
-
-    optim: int
-    entries: list[tuple[int, str, Union[TensorArg, ScalarArg]]]
-
-
-class OptimStateReply(msgspec.Struct, frozen=True, tag="optim_state_reply", omit_defaults=True):
-    """Per-parameter optimizer state: ``[parameter index, key, value]`` entries, tensors in frames.
-
-    The parameter index counts the optimizer's parameters group by group, as
-    ``torch.optim.Optimizer.state_dict()`` does.
-    """
-
-    entries: list[tuple[int, str, Union[TensorArg, ScalarArg]]]
-
-
-class PullReply(msgspec.Struct, frozen=True, tag="pull_reply", omit_defaults=True):
-    """Slot values (and gradients, nil where none) as tensors in frames."""
-
-    values: list[TensorMeta]
-    grads: list[Union[TensorMeta, None]] = []
-
-
-class NormReply(msgspec.Struct, frozen=True, tag="norm_reply", omit_defaults=True):
-    norm: float
-
-
-
-
 # -------------------------------------------------------------------- profiling
 class ProfileGraph(msgspec.Struct, frozen=True, tag="profile", omit_defaults=True):
     """Run an uploaded graph ``warmups`` times untimed, then ``repeats`` times timed."""
@@ -357,59 +208,6 @@ class ProfileReply(msgspec.Struct, frozen=True, tag="profile_reply", omit_defaul
     compiled: bool = False  # this request compiled the graph for its engine
     compile_ms: float = 0.0
     worker_ms: float = 0.0  # the worker's wall time for the whole request (network excluded)
-
-
-# --------------------------------------------------- values that stay on the worker
-class Fetch(msgspec.Struct, frozen=True, tag="fetch", omit_defaults=True):
-    """Send back the tensors of handles (or of views of them), without dropping them."""
-
-    args: list[Union[HandleArg, ViewArg]]
-
-
-class FetchReply(msgspec.Struct, frozen=True, tag="fetch_reply", omit_defaults=True):
-    """The fetched tensors, in frames, in the order asked."""
-
-    values: list[TensorMeta]
-
-
-class ExpectHandles(msgspec.Struct, frozen=True, tag="expect_handles", omit_defaults=True):
-    """Prepare to receive tensors from another worker as these handles of this session.
-
-    The worker answers a one-time ticket; a worker that presents it (``Deliver``)
-    may store exactly these tensors, of exactly these layouts, and nothing else.
-    """
-
-    handles: list[int]
-    metas: list[TensorMeta]  # dtype, shape, strides of each (``frame`` unused)
-    ttl_s: float = 0.0  # how long the ticket may wait (0: the worker's default; capped by the worker)
-
-
-class TicketReply(msgspec.Struct, frozen=True, tag="ticket_reply", omit_defaults=True):
-    """A one-time capability: ``ticket_id`` names it, ``secret`` authenticates its bearer."""
-
-    ticket_id: bytes
-    secret: bytes
-    expires_s: float
-
-
-class SendHandles(msgspec.Struct, frozen=True, tag="send_handles", omit_defaults=True):
-    """Send these handles' tensors (or views) to the worker at ``url`` under its ticket; answered
-    ``Ok`` once that worker stored them."""
-
-    args: list[Union[HandleArg, ViewArg]]
-    url: str
-    ticket_id: bytes
-    secret: bytes
-
-
-class Deliver(msgspec.Struct, frozen=True, tag="deliver", omit_defaults=True):
-    """Worker to worker, on a ticket connection: the tensors a ticket names, in frames. The first
-    ``Deliver`` of a connection is under its hello's ticket (``ticket``, ``proof`` empty); each later
-    one names its own ``ticket`` and proves its secret for this connection (§18.2)."""
-
-    metas: list[TensorMeta]
-    ticket: bytes = b""
-    proof: bytes = b""
 
 
 # ------------------------------------------------------------ every message, once

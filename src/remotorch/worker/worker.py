@@ -8,33 +8,33 @@ What a session keeps lives in three stores: uploads by content id
 (:mod:`remotorch.worker.training`). With a disk cache
 (:mod:`remotorch.worker.disk`) uploads are also kept on disk, and
 :meth:`Worker.have` takes them back for a session that proves it holds them.
+Each graph held is a :class:`~remotorch.worker.graphs.GraphEntry` (argument
+checks, engines compiled once), argument bindings live in
+:mod:`remotorch.worker.bindings`, and every run goes through
+:func:`remotorch.worker.guard.guarded` (timeout, out of memory, typed errors).
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-import threading
 import time
-import traceback
-import weakref
 from itertools import chain
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
-from ..codec.graph import DecodedGraph, decode_graph, graph_id
+from ..codec.graph import decode_graph, graph_id
 from ..codec import messages as m, possession
 from ..codec.frames import FrameReader
 from ..codec.messages import TensorMeta
 from ..codec.tensors import content_id
-from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsError,
-                      RemoteOutOfMemoryError, RequestTimeoutError, UnsupportedGraphError, WorkerError)
+from ..errors import InvalidRequestError, LimitExceededError, MissingObjectsError
 from . import engines, quota
-from .deadline import DeadlineExpired, deadline
-from .checks import ArgCheck
+from .bindings import Bindings
+from .graphs import GraphEntry
+from .guard import guarded, timed_call
 from .quota import Limits
 from .disk import DiskCache, valid_id
 from .store import SharedStore
@@ -46,7 +46,6 @@ from .training import Trainables
 
 log = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
 _MISSING = object()  # a RefArg the session does not hold (reported with the others)
 
 
@@ -60,24 +59,6 @@ def resolve_device(spec: str = "auto") -> torch.device:
     return device
 
 
-@dataclass
-class _GraphEntry:
-    decoded: DecodedGraph
-    checks: list[ArgCheck]  # one per argument
-    compiled: dict  # engine name -> callable
-    lock: threading.Lock
-    # per argument: a weak reference to the tensor that last passed its check. The same
-    # object passes again without a check (resident weights, call after call); a stored
-    # tensor never changes its dtype or sizes here (only its values, in place)
-    passed: list
-    gid: str = ""
-
-    @classmethod
-    def build(cls, gid: str, decoded: DecodedGraph) -> _GraphEntry:
-        checks = [ArgCheck.of(meta) for meta in decoded.inputs]
-        return cls(decoded, checks, {}, threading.Lock(), [None] * len(checks), gid)
-
-
 @dataclass(frozen=True)
 class Ran:
     """One graph run: its outputs (after :func:`~remotorch.worker.outputs.dispose`: wire arguments
@@ -87,16 +68,6 @@ class Ran:
     ms: float
     compiled: bool
     inputs: list
-
-
-@dataclass(frozen=True)
-class _Binding:
-    """A graph's resident arguments a session named once (``Run.bind``): their values, in place."""
-
-    graph_id: str
-    template: list  # the graph's arguments: the bound tensors at their positions, None elsewhere
-    free: tuple[int, ...]  # the positions a ``Run.bound`` request's ``args`` fill, in order
-    ids: frozenset[str]  # the content ids it holds (a release of one drops it)
 
 
 @dataclass(frozen=True)
@@ -133,7 +104,7 @@ class Worker:
         # namespaces of custom operators graphs may call (registered here: see worker/custom_ops.py)
         self.allow_ops = frozenset(allow_ops)
         self.disk = disk  # the cache on disk (``serve --cache-dir``): uploads and artifacts across restarts
-        self._bindings: dict[object, dict[int, _Binding]] = {}  # session -> binding id -> binding
+        self._bindings = Bindings()  # session -> binding id -> argument binding (Run.bind)
 
     # ------------------------------------------------------------------ sessions
     def close_session(self, session: object) -> None:
@@ -153,7 +124,7 @@ class Worker:
             self.handles.release(session, p.handles)
         if p.tensors:
             self._tensors.release(session, p.tensors)
-            self._unbind(session, p.tensors)
+            self._bindings.unbind(session, p.tensors)
 
     def state_bytes(self, session: object | None = None) -> int:
         """Bytes of kept values, parameters, gradients and optimizer state (one session, or all)."""
@@ -216,7 +187,7 @@ class Worker:
         reader = self.reader(frames)
         tensors = [reader.tensor(meta) for meta in consts]
         decoded = decode_graph(doc, tensors, self.device, self.allow_ops)
-        self._graphs.put(session, gid, _GraphEntry.build(gid, decoded), size)
+        self._graphs.put(session, gid, GraphEntry.build(gid, decoded), size)
         if self.disk is not None:
             self.disk.put_graph(gid, doc, consts, frames)
 
@@ -313,7 +284,7 @@ class Worker:
         prep = self._prepare(session, req.graph_id, req.engine, req.args, frames, req.bind, req.bound)
         if req.keep_inputs:
             self._keep_inputs(session, req.keep_inputs, prep.values)
-        out, ms = self._guarded(req.engine, lambda: self._call(prep.fn, prep.values))
+        out, ms = self._guarded(req.engine, lambda: timed_call(prep.fn, prep.values, self.device))
         ran = Ran(_as_list(out), ms, prep.compiled, prep.values)
         if plan.inline:
             return ran
@@ -345,56 +316,25 @@ class Worker:
         """
         if bind and bound:
             raise InvalidRequestError("a run names an argument binding or makes one, not both")
-        binding = self._binding(session, bound, gid, len(args)) if bound else None
+        binding = self._bindings.find(session, bound, gid, len(args)) if bound else None
         values = self.values(session, args, frames)
         missing_t = [a.id for a, v in zip(args, values) if v is _MISSING]
         missing_g = self._graphs.missing(session, [gid])
         if missing_t or missing_g:
             raise MissingObjectsError("worker does not hold these objects for this session",
                                       graphs=missing_g, tensors=missing_t)
-        graph: _GraphEntry = self._graphs.get(session, gid)
+        graph: GraphEntry = self._graphs.get(session, gid)
         if binding is not None:
-            full = binding.template.copy()
-            for i, v in zip(binding.free, values):
-                full[i] = v
-            values = full
-            self._check_args(graph, values, binding.free)  # the bound ones passed when they were bound
+            values = binding.fill(values)
+            graph.check_args(values, binding.free)  # the bound ones passed when they were bound
         else:
-            self._check_args(graph, values)
+            graph.check_args(values)
             if bind:
-                self._bind(session, bind, gid, args, values)
+                self._bindings.bind(session, bind, gid, args, values)
         start = time.perf_counter()
-        fn, compiled = self._compiled(graph, engine, values)
+        fn, compiled = graph.engine_fn(engine, values, offered=self.engines, worker=self.name, device=self.device,
+                                       disk=self.disk)
         return _Prepared(fn, values, compiled, (time.perf_counter() - start) * 1e3 if compiled else 0.0)
-
-    def _binding(self, session: object, bound: int, gid: str, n_args: int) -> _Binding:
-        binding = self._bindings.get(session, {}).get(bound)
-        if binding is None:
-            raise MissingObjectsError(f"worker does not hold argument binding {bound} for this session",
-                                      bindings=[bound])
-        if binding.graph_id != gid or n_args != len(binding.free):
-            raise InvalidRequestError(f"argument binding {bound} is for another graph or takes "
-                                      f"{len(binding.free)} arguments, not {n_args}")
-        return binding
-
-    def _bind(self, session: object, bind: int, gid: str, args: list, values: list) -> None:
-        """Remember the ``RefArg`` arguments of this call as binding ``bind`` (replacing one of that id)."""
-        if not (type(bind) is int and 1 <= bind <= m.MAX_BINDINGS):
-            raise InvalidRequestError(f"an argument binding id is 1 to {m.MAX_BINDINGS}, not {bind}")
-        refs = [i for i, a in enumerate(args) if type(a) is m.RefArg]
-        template = [None] * len(values)
-        for i in refs:
-            template[i] = values[i]
-        self._bindings.setdefault(session, {})[bind] = _Binding(gid, template, tuple(i for i in range(len(args)) if type(args[i]) is not m.RefArg),
-                              frozenset(args[i].id for i in refs))
-
-    def _unbind(self, session: object, ids) -> None:
-        """Drop the session's bindings that hold any of these content ids (released: no longer its own)."""
-        held = self._bindings.get(session)
-        if held:
-            gone = set(ids)
-            for bid in [b for b, binding in held.items() if not gone.isdisjoint(binding.ids)]:
-                del held[bid]
 
     def _keep_inputs(self, session: object, pairs: list[list[int]], values: list) -> None:
         if not all(len(p) == 2 and type(p[0]) is int and 0 <= p[0] < len(values)
@@ -432,80 +372,10 @@ class Worker:
                 raise InvalidRequestError(f"{type(a).__name__} is not a graph argument")
         return values
 
-    def _guarded(self, engine: str, body: Callable[[], _T]) -> _T:
-        """Run ``body`` (graph runs) under the request timeout; out of memory evicts what no
-        session holds and runs it once more; any failure becomes a typed error."""
-        for attempt in range(2):
-            grad, timeout = torch.is_grad_enabled(), self.limits.request_timeout
-            torch._C._set_grad_enabled(False)  # torch.no_grad() without its Python context manager
-            try:
-                if not timeout:
-                    return body()
-                with deadline(timeout):
-                    return body()
-            except DeadlineExpired:
-                raise RequestTimeoutError(f"graph ran longer than the worker's request timeout of "
-                                          f"{self.limits.request_timeout:g}s and was stopped") from None
-            except Exception as exc:
-                if attempt or not quota.is_out_of_memory(exc) or not quota.release_cached(
-                        (self._tensors, self._graphs), self.device):
-                    raise self._run_error(exc, engine) from None
-            finally:
-                torch._C._set_grad_enabled(grad)
-        raise AssertionError("unreachable")
-
-    def _call(self, fn, values: list) -> tuple:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
-        out = fn(*values)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return out, (time.perf_counter() - start) * 1e3
-
-    @staticmethod
-    def _run_error(exc: BaseException, engine: str) -> WorkerError:
-        """The typed error for a graph that raised (out of memory, or anything else)."""
-        tb = "".join(traceback.format_exception(exc))
-        if quota.is_out_of_memory(exc):
-            return RemoteOutOfMemoryError(f"out of memory running graph: {type(exc).__name__}: {exc}",
-                                          remote_traceback=tb)
-        return WorkerError(f"graph failed on {engine}: {type(exc).__name__}: {exc}", remote_traceback=tb)
-
-    def _compiled(self, graph: _GraphEntry, engine: str, values: list):
-        fn = graph.compiled.get(engine)
-        if fn is not None:
-            return fn, False
-        if engine not in self.engines:
-            raise UnsupportedGraphError(f"engine {engine!r} is not available on worker {self.name} "
-                                        f"(has {', '.join(self.engines)})")
-        with graph.lock:
-            fn = graph.compiled.get(engine)
-            if fn is not None:
-                return fn, False
-            try:
-                artifacts = engines.Artifacts(self.disk, engine, graph.gid) if self.disk else None
-                fn = engines.compile_graph(engines.load(engine), graph.decoded, self.device, values, artifacts)
-            except Exception as exc:
-                raise UnsupportedGraphError(f"engine {engine} could not compile the graph: "
-                                            f"{type(exc).__name__}: {exc}",
-                                            remote_traceback=traceback.format_exc()) from None
-            graph.compiled[engine] = fn
-            return fn, True
-
-    @staticmethod
-    def _check_args(graph: _GraphEntry, values: list, positions=None) -> None:
-        """Each value (or those at ``positions``) against the graph's argument checks."""
-        if len(values) != len(graph.checks):
-            raise InvalidRequestError(f"graph takes {len(graph.checks)} arguments, got {len(values)}")
-        passed, checks = graph.passed, graph.checks
-        for i in range(len(checks)) if positions is None else positions:
-            check, v, ref = checks[i], values[i], passed[i]
-            if ref is not None and ref() is v:
-                continue
-            check.check(i, v)
-            if type(v) is torch.Tensor:
-                passed[i] = weakref.ref(v)
+    def _guarded(self, engine: str, body: Callable[[], object]):
+        """``body`` (graph runs) under this worker's request timeout and out-of-memory handling."""
+        return guarded(engine, body, timeout=self.limits.request_timeout, stores=(self._tensors, self._graphs),
+                       device=self.device)
 
 
 def _as_list(out) -> list:

@@ -1,0 +1,67 @@
+"""Running graphs safely: under the request timeout, once more after out-of-memory, failures typed.
+
+Every kind of run (a call, a profiled series) goes through :func:`guarded`:
+without autograd, stopped at the worker's request timeout, retried once
+after evicting what no session holds when it ran out of memory, and any
+exception it raises becomes a typed :class:`~remotorch.errors.WorkerError`
+(with the worker's traceback) so the worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from ..errors import RemoteOutOfMemoryError, RequestTimeoutError, WorkerError
+from . import quota
+from .deadline import DeadlineExpired, deadline
+from .store import SharedStore
+
+_T = TypeVar("_T")
+
+
+def guarded(engine: str, body: Callable[[], _T], *, timeout: float | None, stores: tuple[SharedStore, ...],
+            device: torch.device) -> _T:
+    """Run ``body`` (graph runs) under the request timeout; out of memory evicts what no
+    session holds (in ``stores``) and runs it once more; any failure becomes a typed error."""
+    for attempt in range(2):
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # torch.no_grad() without its Python context manager
+        try:
+            if not timeout:
+                return body()
+            with deadline(timeout):
+                return body()
+        except DeadlineExpired:
+            raise RequestTimeoutError(f"graph ran longer than the worker's request timeout of "
+                                      f"{timeout:g}s and was stopped") from None
+        except Exception as exc:
+            if attempt or not quota.is_out_of_memory(exc) or not quota.release_cached(stores, device):
+                raise run_error(exc, engine) from None
+        finally:
+            torch._C._set_grad_enabled(grad)
+    raise AssertionError("unreachable")
+
+
+def timed_call(fn: Callable, values: list, device: torch.device) -> tuple:
+    """``fn(*values)`` and its milliseconds (on CUDA, from a synchronized device to a synchronized one)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = fn(*values)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, (time.perf_counter() - start) * 1e3
+
+
+def run_error(exc: BaseException, engine: str) -> WorkerError:
+    """The typed error for a graph that raised (out of memory, or anything else)."""
+    tb = "".join(traceback.format_exception(exc))
+    if quota.is_out_of_memory(exc):
+        return RemoteOutOfMemoryError(f"out of memory running graph: {type(exc).__name__}: {exc}",
+                                      remote_traceback=tb)
+    return WorkerError(f"graph failed on {engine}: {type(exc).__name__}: {exc}", remote_traceback=tb)
