@@ -1,4 +1,4 @@
-"""Aten-level FX graphs as portable documents, and back.
+"""Aten-level FX graphs as portable documents, and back (decoding: ``codec/decoding.py``).
 
 A document is plain msgpack data: a list of nodes whose call targets are
 *names* (``"aten::addmm.default"``, ``"op:getitem"``,
@@ -15,38 +15,43 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgspec
 import torch
 import torch.fx
 
 from ..errors import UnsupportedGraphError
-from .messages import TensorMeta
+from .decoding import DOC_FORMAT, MAX_DEPTH, MAX_NODES, DecodedGraph, decode_graph  # noqa: F401
 from .frames import FrameWriter
-from .ops import IDENT as _IDENT
-from .ops import (BUILTINS, CORE_NAMESPACES, OP_ARGUMENT, check_builtin, check_call,  # noqa: F401
-                  custom_ops, getitem_kind, output_kind, resolve_target, target_name)
-from .tensors import DTYPE_NAMES, dtype_from_name, dtype_name
-
-DOC_FORMAT = 1
-MAX_NODES = 200_000
-MAX_DEPTH = 8
-
-_LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo}
-_MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
-                   "preserve_format": torch.preserve_format, "channels_last_3d": torch.channels_last_3d}
+from .messages import TensorMeta
+from .ops import (BUILTINS, CORE_NAMESPACES, SUBGRAPH_OPS, custom_ops, resolve_target,  # noqa: F401
+                  target_name)
+from .subgraphs import MAX_SUBGRAPH_DEPTH, MAX_SUBGRAPHS
+from .tensors import dtype_name
 
 
 # ------------------------------------------------------------------------ encoding
-def _encode_value(v, names: dict[torch.fx.Node, str], depth: int = 0):
+class _GraphRef(NamedTuple):
+    """A subgraph of the document (``{"$g": index}``), standing for an FX ``get_attr`` of a GraphModule."""
+
+    index: int
+
+
+def _encode_value(v, names: dict, depth: int = 0, hop: bool = False):
     if depth > MAX_DEPTH:
         raise UnsupportedGraphError("argument nesting too deep")
     if isinstance(v, torch.fx.Node):
-        return {"$n": names[v]}
+        ref = names[v]
+        if isinstance(ref, _GraphRef):
+            if not hop:
+                raise UnsupportedGraphError("a subgraph can only be an argument of a higher-order operator")
+            return {"$g": ref.index}
+        return {"$n": ref}
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     if isinstance(v, (list, tuple)):
-        items = [_encode_value(x, names, depth + 1) for x in v]
+        items = [_encode_value(x, names, depth + 1, hop) for x in v]
         return items if isinstance(v, list) else {"$t": items}
     if isinstance(v, torch.dtype):
         return {"$dt": dtype_name(v)}
@@ -60,6 +65,8 @@ def _encode_value(v, names: dict[torch.fx.Node, str], depth: int = 0):
         return {"$c": [v.real, v.imag]}
     if isinstance(v, torch._ops.OpOverload):  # the operator a higher-order operator runs
         return {"$op": target_name(v)}
+    if hop and isinstance(v, dict) and all(isinstance(k, str) for k in v):  # flex_attention's kernel_options
+        return {"$d": [[k, _encode_value(x, names, depth + 1, hop)] for k, x in v.items()]}
     raise UnsupportedGraphError(f"argument of type {type(v).__name__} cannot travel on the wire")
 
 
@@ -84,35 +91,120 @@ class GraphPayload:
     custom_ops: tuple[str, ...] = ()  # wire names of custom operators: the worker must allow their namespaces
 
 
+class _Encoder:
+    """Encodes a GraphModule and, children first, the subgraphs its higher-order calls name.
+
+    Subgraphs are listed so that one refers only to those before it (the
+    decoder's rule, which makes a cycle impossible); the same module, or two
+    with the same document, is listed once. Constants of every graph share
+    one list, each tensor once.
+    """
+
+    def __init__(self) -> None:
+        self.consts: list[TensorMeta] = []
+        self.writer = FrameWriter()
+        self.const_index: dict[int, int] = {}  # id(tensor) -> its index in consts
+        self.subgraphs: list[dict] = []
+        self.sizes: list[int] = []  # per subgraph: its nodes, each subgraph it names counted per reference
+        self.heights: list[int] = []  # per subgraph: the longest chain of subgraphs below it
+        self.by_module: dict[int, int] = {}
+        self.by_doc: dict[bytes, int] = {}
+        self.open: list[int] = []  # ids of the modules being encoded, outermost first
+
+    def nodes(self, gm: torch.fx.GraphModule) -> tuple[list[dict], int, int]:
+        """The document nodes of one graph, its size with its subgraphs' and its height (as the decoder counts)."""
+        names: dict[torch.fx.Node, object] = {}
+        nodes: list[dict] = []
+        size = height = 0
+        for node in gm.graph.nodes:
+            names[node] = f"v{len(nodes)}"
+            if node.op == "placeholder":
+                nodes.append({"op": "placeholder", **_placeholder_meta(node)})
+            elif node.op == "call_function":
+                name = target_name(node.target)
+                hop = name in SUBGRAPH_OPS
+                args = _encode_value(list(node.args), names, hop=hop)
+                nodes.append({"op": "call", "target": name, "args": args,
+                              "kwargs": {k: _encode_value(v, names, hop=hop) for k, v in node.kwargs.items()}})
+                for k in _graph_refs(args) if hop else ():
+                    size, height = size + self.sizes[k], max(height, 1 + self.heights[k])
+            elif node.op == "get_attr":
+                value = _get_attr(gm, node.target)
+                if isinstance(value, torch.fx.GraphModule):
+                    names[node] = _GraphRef(self.subgraph(value))
+                    continue
+                if not isinstance(value, torch.Tensor):
+                    raise UnsupportedGraphError(f"graph attribute {node.target} is not a tensor or a subgraph")
+                nodes.append({"op": "const", "index": self.const(value)})
+            elif node.op == "output":
+                nodes.append({"op": "output", "args": _encode_value(node.args[0], names)})
+            else:
+                raise UnsupportedGraphError(f"FX node kind {node.op} cannot run remotely")
+        return nodes, size + len(nodes), height
+
+    def const(self, value: torch.Tensor) -> int:
+        if id(value) not in self.const_index:
+            self.consts.append(self.writer.meta(value))
+            self.const_index[id(value)] = len(self.consts) - 1
+        return self.const_index[id(value)]
+
+    def subgraph(self, gm: torch.fx.GraphModule) -> int:
+        """The index of a subgraph in the document, encoding it (and its own subgraphs) first if new."""
+        if id(gm) in self.by_module:
+            return self.by_module[id(gm)]
+        if id(gm) in self.open:
+            raise UnsupportedGraphError("a subgraph refers to itself")
+        if len(self.open) >= MAX_SUBGRAPH_DEPTH:
+            raise UnsupportedGraphError(f"subgraphs nested deeper than {MAX_SUBGRAPH_DEPTH}")
+        self.open.append(id(gm))
+        try:
+            nodes, size, height = self.nodes(gm)
+        finally:
+            self.open.pop()
+        key = msgspec.msgpack.encode(nodes)
+        if key not in self.by_doc:
+            if len(self.subgraphs) >= MAX_SUBGRAPHS:
+                raise UnsupportedGraphError(f"more than {MAX_SUBGRAPHS} subgraphs")
+            self.by_doc[key] = len(self.subgraphs)
+            self.subgraphs.append({"nodes": nodes})
+            self.sizes.append(size)
+            self.heights.append(height)
+        self.by_module[id(gm)] = self.by_doc[key]
+        return self.by_doc[key]
+
+
+def _graph_refs(v, depth: int = 0) -> list[int]:
+    """The subgraph indices an encoded argument names."""
+    if isinstance(v, list) and depth <= MAX_DEPTH:
+        return [k for x in v for k in _graph_refs(x, depth + 1)]
+    if isinstance(v, dict) and len(v) == 1:
+        (tag, x), = v.items()
+        return [x] if tag == "$g" else _graph_refs(x, depth + 1) if tag in ("$t", "$d") else []
+    return []
+
+
 def encode_graph(gm: torch.fx.GraphModule) -> GraphPayload:
-    """Turn an aten-level GraphModule into a document; refuses anything not allowlisted."""
-    names: dict[torch.fx.Node, str] = {}
-    nodes, consts, writer = [], [], FrameWriter()
-    for i, node in enumerate(gm.graph.nodes):
-        names[node] = f"v{i}"
-        if node.op == "placeholder":
-            nodes.append({"op": "placeholder", **_placeholder_meta(node)})
-        elif node.op == "call_function":
-            nodes.append({"op": "call", "target": target_name(node.target),
-                          "args": _encode_value(list(node.args), names),
-                          "kwargs": {k: _encode_value(v, names) for k, v in node.kwargs.items()}})
-        elif node.op == "get_attr":
-            value = _get_attr(gm, node.target)
-            if not isinstance(value, torch.Tensor):
-                raise UnsupportedGraphError(f"graph attribute {node.target} is not a tensor")
-            consts.append(writer.meta(value))
-            nodes.append({"op": "const", "index": len(consts) - 1})
-        elif node.op == "output":
-            nodes.append({"op": "output", "args": _encode_value(node.args[0], names)})
-        else:
-            raise UnsupportedGraphError(f"FX node kind {node.op} cannot run remotely")
-    doc = msgspec.msgpack.encode({"format": DOC_FORMAT, "nodes": nodes})
-    ops = custom_ops(n["target"] for n in nodes if n["op"] == "call")
-    return GraphPayload(graph_id(doc, consts, writer.frames), doc, consts, writer.frames, ops)
+    """Turn an aten-level GraphModule into a document; refuses anything not allowlisted.
+
+    Subgraphs of higher-order operators (``torch.cond``'s branches…) travel
+    in the same document (``subgraphs``), so its id covers them.
+    """
+    enc = _Encoder()
+    nodes, size, height = enc.nodes(gm)
+    if size > MAX_NODES or height > MAX_SUBGRAPH_DEPTH:
+        raise UnsupportedGraphError(f"graph of {size} nodes (its subgraphs counted per call) and {height} levels "
+                                    f"of subgraphs is over the limits of {MAX_NODES} and {MAX_SUBGRAPH_DEPTH}")
+    body = {"format": DOC_FORMAT, "nodes": nodes}
+    if enc.subgraphs:
+        body["subgraphs"] = enc.subgraphs
+    doc = msgspec.msgpack.encode(body)
+    ops = custom_ops(n["target"] for g in (nodes, *(s["nodes"] for s in enc.subgraphs))
+                     for n in g if n["op"] == "call")
+    return GraphPayload(graph_id(doc, enc.consts, enc.writer.frames), doc, enc.consts, enc.writer.frames, ops)
 
 
 def graph_id(doc: bytes, consts: list[TensorMeta], frames) -> str:
-    """Content id of a graph: sha256 over the document and its constants."""
+    """Content id of a graph: sha256 over the document (its subgraphs included) and its constants."""
     h = hashlib.sha256(doc)
     for meta, buf in zip(consts, frames):
         h.update(msgspec.msgpack.encode(meta))
@@ -125,171 +217,3 @@ def _get_attr(gm: torch.nn.Module, target: str):
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-# ------------------------------------------------------------------------ decoding
-@dataclass
-class DecodedGraph:
-    """A rebuilt graph plus what the worker checks arguments against."""
-
-    module: torch.fx.GraphModule
-    inputs: list[dict]  # placeholder metas, in argument order
-    custom_ops: tuple[str, ...] = ()  # wire names of the custom operators it calls
-
-
-def _decode_value(v, env: dict[str, torch.fx.Node], device: torch.device, depth: int = 0):
-    if depth > MAX_DEPTH:
-        raise UnsupportedGraphError("argument nesting too deep")
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if isinstance(v, list):
-        return [_decode_value(x, env, device, depth + 1) for x in v]
-    if isinstance(v, dict) and len(v) == 1:
-        (tag, x), = v.items()
-        if tag == "$n" and isinstance(x, str) and x in env:
-            return env[x]
-        if tag == "$t" and isinstance(x, list):
-            return tuple(_decode_value(y, env, device, depth + 1) for y in x)
-        if tag == "$dt" and isinstance(x, str) and x in DTYPE_NAMES:
-            return dtype_from_name(x)
-        if tag == "$dev":
-            return device  # the whole graph runs on the worker's device
-        if tag == "$ly" and isinstance(x, str) and x in _LAYOUTS:
-            return _LAYOUTS[x]
-        if tag == "$mf" and isinstance(x, str) and x in _MEMORY_FORMATS:
-            return _MEMORY_FORMATS[x]
-        if tag == "$c" and isinstance(x, list) and len(x) == 2 and all(isinstance(y, float) for y in x):
-            return complex(x[0], x[1])
-    raise UnsupportedGraphError(f"malformed argument in graph document: {str(v)[:120]}")
-
-
-def _input_meta(spec: dict, i: int) -> dict:
-    kind = spec.get("kind")
-    if kind not in ("tensor", "scalar", "any"):
-        raise UnsupportedGraphError(f"graph input {i} has unknown kind")
-    if kind != "tensor":
-        return {"kind": kind}
-    dtype, shape = spec.get("dtype"), spec.get("shape")
-    if not (isinstance(dtype, str) and dtype in DTYPE_NAMES and isinstance(shape, list) and len(shape) <= 64
-            and all(isinstance(d, str) or (isinstance(d, int) and 0 <= d < 1 << 62) for d in shape)):
-        raise UnsupportedGraphError(f"graph input {i} has a malformed tensor description")
-    return {"kind": kind, "dtype": dtype, "shape": shape}
-
-
-def decode_graph(doc: bytes, consts: list[torch.Tensor], device: torch.device,
-                 allowed_ops: frozenset[str] = frozenset()) -> DecodedGraph:
-    """Rebuild a GraphModule from a document; every failure is UnsupportedGraphError.
-
-    ``allowed_ops``: namespaces of custom operators this worker allows
-    (``remotorch serve --allow-ops``); their calls are checked against the
-    operators' schemas here, before anything runs.
-    """
-    try:
-        data = msgspec.msgpack.decode(doc)
-    except msgspec.DecodeError as exc:
-        raise UnsupportedGraphError(f"graph document is not valid msgpack: {exc}") from None
-    if not isinstance(data, dict) or data.get("format") != DOC_FORMAT:
-        raise UnsupportedGraphError("graph document has an unknown format")
-    nodes = data.get("nodes")
-    if not isinstance(nodes, list) or not nodes or len(nodes) > MAX_NODES:
-        raise UnsupportedGraphError("graph document has no valid node list")
-    graph, root = torch.fx.Graph(), torch.nn.Module()
-    env: dict[str, torch.fx.Node] = {}
-    kinds: dict[torch.fx.Node, object] = {}  # what each node produces (see codec/ops.py)
-    inputs: list[dict] = []
-    saw_output = False
-    for i, spec in enumerate(nodes):
-        if not isinstance(spec, dict) or saw_output:
-            raise UnsupportedGraphError(f"graph node {i} is malformed")
-        op = spec.get("op")
-        if op == "placeholder":
-            if len(inputs) != len(env):
-                raise UnsupportedGraphError("placeholders must come first")
-            node = env[f"v{i}"] = graph.placeholder(f"arg{len(inputs)}")
-            inputs.append(_input_meta(spec, i))
-            kinds[node] = {"tensor": "tensor", "scalar": "scalar"}.get(inputs[-1]["kind"], "unknown")
-        elif op == "call":
-            env[f"v{i}"] = _decode_call(graph, spec, i, env, device, allowed_ops, kinds)
-        elif op == "const":
-            idx = spec.get("index")
-            if not isinstance(idx, int) or not 0 <= idx < len(consts):
-                raise UnsupportedGraphError(f"graph node {i} names a missing constant")
-            root.register_buffer(f"c{idx}", consts[idx].to(device), persistent=False)
-            node = env[f"v{i}"] = graph.get_attr(f"c{idx}")
-            kinds[node] = "tensor"
-        elif op == "output":
-            graph.output(_decode_value(spec.get("args"), env, device))
-            saw_output = True
-        else:
-            raise UnsupportedGraphError(f"graph node {i} has unknown kind {str(op)[:40]!r}")
-    if not saw_output:
-        raise UnsupportedGraphError("graph document has no output")
-    try:
-        graph.lint()
-        module = torch.fx.GraphModule(root, graph)
-    except Exception as exc:  # lint/codegen reject structurally broken graphs
-        raise UnsupportedGraphError(f"graph document is inconsistent: {exc}") from None
-    used = custom_ops(target_name(n.target) for n in graph.nodes
-                      if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload))
-    return DecodedGraph(module, inputs, used)
-
-
-def _decode_call(graph: torch.fx.Graph, spec: dict, i: int, env: dict, device: torch.device,
-                 allowed: frozenset[str], kinds: dict) -> torch.fx.Node:
-    """One ``call`` node: its target resolved, its arguments decoded and checked (custom
-    operators against their schemas, builtins against their arity and operand kinds), what
-    it produces noted in ``kinds``."""
-    name = str(spec.get("target"))
-    target = resolve_target(name, allowed)
-    raw, kwargs = spec.get("args", []), spec.get("kwargs", {})
-    if not isinstance(raw, list) or not isinstance(kwargs, dict):
-        raise UnsupportedGraphError(f"graph node {i} has malformed arguments")
-    inner, at = None, OP_ARGUMENT.get(name)
-    if at is not None:  # a higher-order operator: one argument names the operator it runs
-        inner = _operator_argument(raw, at, i, allowed)
-        raw = raw[:at] + raw[at + 1:]
-    args = _decode_value(raw, env, device)
-    kw = {str(k): _decode_value(x, env, device) for k, x in kwargs.items()
-          if isinstance(k, str) and _IDENT.match(k)}
-    if len(kw) != len(kwargs):
-        raise UnsupportedGraphError(f"graph node {i} has a malformed keyword")
-    if inner is not None:
-        kind = _check_higher_order(name, inner, args, kw, kinds)
-        args.insert(at, inner)
-    elif isinstance(target, torch._ops.OpOverload):
-        if target.namespace not in CORE_NAMESPACES:
-            check_call(target, tuple(args), kw, kinds)
-        kind = output_kind(target)
-    else:
-        check_builtin(name, tuple(args), kw, kinds)
-        kind = getitem_kind(kinds.get(args[0], "unknown"), args[1]) if name == "op:getitem" else "scalar"
-    node = graph.call_function(target, tuple(args), kw)
-    kinds[node] = kind
-    return node
-
-
-def _operator_argument(raw: list, at: int, i: int, allowed: frozenset[str]) -> torch._ops.OpOverload:
-    """The operator a higher-order call names at argument ``at`` (``{"$op": name}``), resolved
-    through the same allowlist as a call target."""
-    ref = raw[at] if len(raw) > at else None
-    if not (isinstance(ref, dict) and len(ref) == 1 and isinstance(ref.get("$op"), str)):
-        raise UnsupportedGraphError(f"graph node {i} must name an operator as argument {at}")
-    op = resolve_target(ref["$op"], allowed)
-    if not isinstance(op, torch._ops.OpOverload):
-        raise UnsupportedGraphError(f"graph node {i}: {ref['$op'][:200]!r} is not an operator overload")
-    return op
-
-
-def _check_higher_order(name: str, op: torch._ops.OpOverload, args: list, kwargs: dict, kinds: dict):
-    """Check a ``run_and_save_rng_state(op, *args)`` / ``run_with_rng_state(state, op, *args)``
-    call; what it produces."""
-    if name == "hop:run_with_rng_state":
-        if not args or not (isinstance(args[0], torch.fx.Node) and kinds.get(args[0]) == "tensor"):
-            raise UnsupportedGraphError(f"operation {name} takes a random-number state tensor first")
-        op_args = args[1:]
-    else:
-        op_args = args
-    if op.namespace not in CORE_NAMESPACES:
-        check_call(op, tuple(op_args), kwargs, kinds)
-    produced = output_kind(op)
-    return ("tensor", produced) if name == "hop:run_and_save_rng_state" else produced

@@ -57,11 +57,18 @@ SYMBOLIC: dict[str, tuple[object, int]] = {
 # lowers dropout and other random ops to, so that recomputation replays the same random
 # numbers): the argument at this index names an operator, resolved as any call target is.
 OP_ARGUMENT: dict[str, int] = {"hop:run_and_save_rng_state": 0, "hop:run_with_rng_state": 1}
+# Higher-order operators whose arguments include subgraphs of the same document (torch.cond,
+# while_loop, scan, map, flex_attention, nested_compile_region, and what aot_autograd lowers
+# them to): their exact argument shapes are checked by codec/subgraphs.py.
+SUBGRAPH_OPS: dict[str, object] = {f"hop:{n}": getattr(torch.ops.higher_order, n) for n in (
+    "cond", "while_loop", "while_loop_stack_output", "scan", "map_impl", "flex_attention",
+    "flex_attention_backward", "invoke_subgraph")}
 BUILTINS: dict[str, object] = {
     "op:getitem": operator.getitem,
     **{name: fn for name, (fn, _) in SYMBOLIC.items()},
     "hop:run_and_save_rng_state": torch.ops.higher_order.run_and_save_rng_state,
     "hop:run_with_rng_state": torch.ops.higher_order.run_with_rng_state,
+    **SUBGRAPH_OPS,
 }
 _BUILTIN_NAMES = {id(fn): name for name, fn in BUILTINS.items()}
 # Namespaces every worker resolves (with the denylist below); custom ones only when allowed.
@@ -79,8 +86,8 @@ def target_name(target) -> str:
 
     Operator overloads of any namespace get a name (whether a worker allows
     a custom namespace is the worker's decision, checked before upload);
-    aten operators of the denylist, higher-order operators and Python
-    callables outside the builtins table do not.
+    aten operators of the denylist, higher-order operators outside the
+    builtins table and other Python callables do not.
     """
     if isinstance(target, torch._ops.OpOverload):
         ns, _, op = target._schema.name.partition("::")
