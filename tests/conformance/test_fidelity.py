@@ -160,7 +160,7 @@ def test_the_default_session_fetches_nothing_at_interpreter_exit(tmp_path):
         y = remotorch.compile(model, fallback="raise")(torch.randn(64, 10))  # the default session
         assert y.is_remote
         if sys.argv[1] == "close":
-            remotorch.client.default_session().close()
+            remotorch.default_session().close()
             assert not y.is_remote
         print("done")
     """))

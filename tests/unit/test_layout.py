@@ -1,9 +1,13 @@
-"""The tree tells the architecture: no import circles, dependencies one way, a small package root.
+"""The tree tells the architecture: no import circles, dependencies one way, a small package root,
+small modules.
 
 Every import counts here, also those inside functions and under
 ``TYPE_CHECKING``: a circle held together by a lazy import is still a circle.
-(Python runs a package's ``__init__`` before any module in it; that implicit
-step is not an import of the package by its own modules and is not counted.)
+Python runs a package's ``__init__`` before any module in it, so importing
+``remotorch.client.remote`` from outside ``client`` also imports the package
+face ``remotorch.client`` and everything it imports: that implicit step
+counts too. A package's own modules do not take that step (their package is
+already being imported), so it is not counted for them.
 """
 
 from __future__ import annotations
@@ -66,7 +70,19 @@ def imports_of(path: Path, root: Path = PACKAGE) -> set[str]:
     return found
 
 
+def faces(target: str, importer: str, modules) -> list[str]:
+    """The package faces (``__init__``) importing ``target`` runs first, less those ``importer`` is inside."""
+    parts = target.split(".")
+    found = []
+    for k in range(1, len(parts)):
+        face = ".".join(parts[:k])
+        if face in modules and importer != face and not importer.startswith(face + "."):
+            found.append(face)
+    return found
+
+
 def graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the modules it imports, each import with the package faces it runs on the way."""
     modules = {module_name(p, root): p for p in root.rglob("*.py")}
     edges = {}
     for name, path in modules.items():
@@ -76,6 +92,7 @@ def graph(root: Path = PACKAGE) -> dict[str, set[str]]:
                 t = t.rsplit(".", 1)[0] if "." in t else ""
             if t and t != name:
                 targets.add(t)
+                targets.update(faces(t, name, modules))
         edges[name] = targets
     return edges
 
@@ -172,6 +189,51 @@ def test_reachability_follows_package_faces(tmp_path):
     via = reachable(graph(pkg), "demo_pkg.capture")
     assert path_to(via, "demo_pkg.capture", "demo_pkg.client.session") == \
         "demo_pkg.capture -> demo_pkg.client -> demo_pkg.client.session"
+
+
+def test_reachability_counts_the_package_face_a_module_import_runs(tmp_path):
+    """``from .client.remote import x`` runs ``client/__init__.py`` first: what that imports is reached."""
+    pkg = tmp_path / "demo_pkg"
+    (pkg / "client").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .client import remote\n")
+    (pkg / "client" / "__init__.py").write_text("from .session import Session\n")
+    (pkg / "client" / "session.py").write_text("from . import remote\n")
+    (pkg / "client" / "remote.py").write_text("")
+    (pkg / "capture.py").write_text("def f():\n    from .client.remote import fetch_all\n")
+    edges = graph(pkg)
+    via = reachable(edges, "demo_pkg.capture")
+    assert path_to(via, "demo_pkg.capture", "demo_pkg.client.session") == \
+        "demo_pkg.capture -> demo_pkg.client -> demo_pkg.client.session"
+    # a package's own modules do not run its face (nor the root's), so this is no circle
+    assert "demo_pkg.client" not in edges["demo_pkg.client.session"]
+    assert circles(edges) == []
+
+
+MAX_LINES = 450
+
+
+def oversized(root: Path = PACKAGE) -> list[str]:
+    """Every module of the package over ``MAX_LINES`` lines, with its count."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        n = len(path.read_text(encoding="utf-8").splitlines())
+        if n > MAX_LINES:
+            found.append(f"{path.relative_to(root.parent)}: {n} lines")
+    return found
+
+
+def test_every_module_is_at_most_450_lines():
+    """One job per module: a module past 450 lines is split by job (STYLE.md), not trimmed at the end."""
+    assert not oversized(), oversized()
+
+
+def test_the_size_check_finds_a_long_module(tmp_path):
+    pkg = tmp_path / "demo_pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "fits.py").write_text("x = 1\n" * MAX_LINES)
+    (pkg / "sub" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    assert oversized(pkg) == [f"demo_pkg/sub/long.py: {MAX_LINES + 1} lines"]
 
 
 def test_the_package_root_holds_at_most_six_modules():

@@ -4,9 +4,10 @@
 ← ``pool`` (the workers of a session) ← ``session`` (the user-facing façade
 and the runner captured graphs call); ``embedded`` starts worker processes
 on this machine.
+
+This face imports none of them: ``capture`` uses ``client.remote`` and must
+not reach the session or the transport, and importing any module of this
+package runs this file first. Import from the modules
+(``remotorch.client.session.Session``), or take ``remotorch.Session`` and
+``remotorch.default_session`` from the package root.
 """
-
-from .connection import Connection
-from .session import Session, default_session
-
-__all__ = ["Connection", "Session", "default_session"]

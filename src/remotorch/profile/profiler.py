@@ -23,7 +23,7 @@ import msgspec
 import torch
 
 from .. import errors
-from ..client import default_session
+from ..client.session import default_session
 from ..client.values import unpack_outputs
 from ..client.progress import bar
 from ..codec import messages as m
