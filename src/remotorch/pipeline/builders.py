@@ -14,7 +14,7 @@ import heapq
 import logging
 from collections.abc import Sequence
 
-from .schedules import BACKWARD, FORWARD, Action, Schedule, ScheduleError, _needs, validate
+from .plan import BACKWARD, FORWARD, Action, Schedule, ScheduleError, _needs, validate
 
 __all__ = ["SCHEDULES", "build"]
 
@@ -175,7 +175,7 @@ def from_args(name: str | None, *, file: str | None = None, stages: int | None =
     (``ScheduleError`` saying what is missing or wrong; ``OSError`` for a file that cannot be read)."""
     import os
 
-    from . import schedules
+    from . import plan as schedules
 
     if file:
         if name:
