@@ -2,8 +2,10 @@
 
 (In process, the decoders get the same treatment: ``tests/unit/test_fuzz_decoders.py``.)
 Against a real worker, 10,000 seeded malformed requests
-(``remotorch.fuzz``) go over authenticated connections and 1,000 framing
-breakers over fresh ones, plus hypothesis-built envelopes: each must be
+(``remotorch.fuzz``, graph documents with subgraphs of higher-order operators
+among them) go over authenticated connections and 1,000 framing breakers
+over fresh ones, plus hypothesis-built envelopes and every hostile subgraph
+document of ``remotorch.devtools.subgraph_docs``: each must be
 answered with a typed error (or, for broken framing, a closed connection), no
 request may hit the worker's catch-all for its own bugs, and afterwards the
 worker must still serve correct results.
@@ -23,12 +25,13 @@ from hypothesis import strategies as st
 
 import remotorch
 from remotorch import errors
-from remotorch.devtools import fuzz
 from remotorch.codec import messages as m
+from remotorch.codec.graph import graph_id
+from remotorch.devtools import fuzz, subgraph_docs
 from remotorch.transport import framing, handshake
 
 from conftest import TOKEN
-from fuzz_strategies import envelopes
+from fuzz_strategies import envelopes, subgraph_documents
 from helpers import Probe, assert_still_serves, tiny_mlp
 
 LIVE_MESSAGES = 10_000
@@ -134,4 +137,32 @@ def test_live_worker_answers_hypothesis_envelopes(target, shared_conn, env, fram
 
 
 def test_live_worker_correct_after_hypothesis(target):
+    assert_still_correct(target)
+
+
+# ------------------------------------------------------------------ subgraphs of higher-order operators
+def put_graph(conn: Conn, body: dict):
+    doc = msgspec.msgpack.encode(body)
+    return conn.ask(m.encode(m.PutGraph(graph_id(doc, [], []), doc, [])))
+
+
+def test_live_worker_refuses_every_hostile_subgraph_document(target, shared_conn):
+    """An unknown operator inside a subgraph, a subgraph naming itself, a missing one, nesting too
+    deep, a tensor where a subgraph belongs, ...: refused as a hostile graph is, before anything runs."""
+    for name, make in subgraph_docs.HOSTILE.items():
+        reply = put_graph(shared_conn, make())
+        assert isinstance(reply, m.ErrorReply) and reply.kind == "unsupported", (name, reply)
+    for name, make in subgraph_docs.VALID.items():  # the same connection still stores valid ones
+        assert isinstance(put_graph(shared_conn, make()), m.Ok), name
+    assert_still_correct(target)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=subgraph_documents())
+def test_live_worker_answers_hypothesis_subgraph_documents(target, shared_conn, body):
+    reply = put_graph(shared_conn, body)
+    assert isinstance(reply, m.Ok) or (isinstance(reply, m.ErrorReply) and reply.kind == "unsupported"), reply
+
+
+def test_live_worker_correct_after_subgraph_documents(target):
     assert_still_correct(target)

@@ -3,7 +3,9 @@
 :func:`malformed` yields requests that a hostile or broken client could send
 after authenticating: random bytes, mutated valid envelopes, well-typed
 messages with hostile values (sizes, strides, frame indices, ids, graph
-documents) and random frames. :func:`framing_garbage` yields byte strings that
+documents, subgraphs of higher-order operators among them: see
+:mod:`~remotorch.devtools.subgraph_docs`) and random frames.
+:func:`framing_garbage` yields byte strings that
 break the framing itself. Everything is drawn from a seeded ``random.Random``,
 so a failure replays from its seed. Nothing here knows about sockets.
 """
@@ -18,12 +20,14 @@ from collections.abc import Iterator
 import msgspec
 
 from ..codec import messages as m
+from . import subgraph_docs
 
 _TYPES = ["health", "put_graph", "put_tensors", "run", "echo", "attach", "heartbeat", "detach",
           "ok", "error", "run_reply", "health_reply", "nope", ""]
 _DTYPES = ["float32", "int64", "bool", "complex128", "float8_e5m2", "float", "", "object", "__class__"]
 _TARGETS = ["aten::add.Tensor", "aten::from_file.default", "aten::save.default", "builtins:eval", "os:system",
-            "op:getitem", "aten::nope.default", "aten::add", "aten::add.Tensor.extra", "math:ceil", "", 7]
+            "op:getitem", "aten::nope.default", "aten::add", "aten::add.Tensor.extra", "math:ceil", "", 7,
+            "hop:cond", "hop:while_loop", "hop:invoke_subgraph", "hop:flex_attention"]
 
 
 def _value(rng: random.Random, depth: int = 0):
@@ -47,7 +51,8 @@ def _value(rng: random.Random, depth: int = 0):
         return rng.choice(_DTYPES)
     if pick in (8, 9):
         return [_value(rng, depth + 1) for _ in range(rng.randrange(0, 5))]
-    return {rng.choice(["$n", "$t", "$dt", "$dev", "$c", "type", "op", "x", "args"]): _value(rng, depth + 1)
+    return {rng.choice(["$n", "$t", "$dt", "$dev", "$c", "$g", "$d", "type", "op", "x", "args"]):
+            _value(rng, depth + 1)
             for _ in range(rng.randrange(0, 4))}
 
 
@@ -67,7 +72,9 @@ def _id(rng: random.Random) -> str:
 
 
 def _doc(rng: random.Random) -> bytes:
-    """A graph document: valid-looking, broken in one or more places."""
+    """A graph document: valid-looking, broken in one or more places; one in four has subgraphs."""
+    if rng.random() < 0.25:
+        return msgspec.msgpack.encode(subgraph_docs.mutated(rng))
     nodes = [{"op": "placeholder", "kind": rng.choice(["tensor", "scalar", "any", "x"]),
               "dtype": rng.choice(_DTYPES), "shape": [rng.choice([2, "s0", -1, None])]}]
     for i in range(rng.randrange(0, 6)):
