@@ -60,13 +60,45 @@ def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
     make = functools.partial(_compile_aten, session=session, engine=engine, fallback=fallback, worker=worker,
                              made=made)
     extra = {"decompositions": custom_decompositions()} if custom_ops == "decompose" else {}
-    compiled = aot_autograd(fw_compiler=functools.partial(make, static=True, kind="forward"),
-                            inference_compiler=functools.partial(make, static=True),
-                            bw_compiler=functools.partial(make, static=False, kind="backward"),
-                            **extra)(gm, example_inputs)
+    with _effect_tokens_inside():
+        compiled = aot_autograd(fw_compiler=functools.partial(make, static=True, kind="forward"),
+                                inference_compiler=functools.partial(make, static=True),
+                                bw_compiler=functools.partial(make, static=False, kind="backward"),
+                                **extra)(gm, example_inputs)
     if len(made) == 1 and made[0][1] and made[0][2] == len(example_inputs):  # dynamo's arguments, as they are
         return _placeholders_seen(_direct(made[0][0]))
     return _placeholders_seen(compiled)
+
+
+def _effect_tokens_inside():
+    """aot_autograd's config for graphs whose effect tokens are made and sunk inside them.
+
+    An operator with a side effect (``aten._linalg_check_errors``, which
+    raises when ``linalg.cholesky``, ``inv`` or ``solve`` met a singular
+    matrix) runs as ``with_effects(token, op, …)``, threading a token that
+    orders it among the others. By default the tokens are graph inputs and
+    outputs (empty tensors, ``None`` at run time); here, as aot_autograd does
+    for inductor, the graph makes them (``prims._make_token``) and sinks them
+    (``prims._sink_tokens``), so nothing about them travels per call.
+    """
+    from torch._functorch import config as functorch_config
+
+    return functorch_config.patch(unlift_effect_tokens=True)
+
+
+def _placeholders_first(gm: torch.fx.GraphModule) -> None:
+    """Move the calls found among a graph's placeholders after the last one (a document lists its
+    inputs first). aot_autograd puts ``prims._make_token()`` where the token input it replaces was;
+    a call there uses nothing after it, so moving it (and any like it, in order) changes nothing."""
+    nodes = list(gm.graph.nodes)
+    last = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
+    early = [n for n in nodes[:last] if n.op != "placeholder"]
+    anchor = nodes[last] if early else None
+    for node in early:
+        anchor.append(node)
+        anchor = node
+    if early:
+        gm.recompile()
 
 
 def _direct(graph: RemoteGraph):
@@ -224,6 +256,7 @@ def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     payload, unsupported = None, None
+    _placeholders_first(gm)
     try:
         with unset_fake_temporarily():  # constants are real tensors; read them outside fake mode
             payload = encode_graph(gm)

@@ -287,7 +287,8 @@ def _check_higher_order(name: str, op: torch._ops.OpOverload, args: list, kwargs
     ``with_effects(token, op, *args)`` call; what it produces."""
     if name in ("hop:run_with_rng_state", "hop:with_effects"):
         if not args or not (isinstance(args[0], torch.fx.Node) and kinds.get(args[0]) == "tensor"):
-            raise UnsupportedGraphError(f"operation {name} takes a state or token tensor first")
+            what = "an effect token" if name == "hop:with_effects" else "a random-number state tensor"
+            raise UnsupportedGraphError(f"operation {name} takes {what} first")
         op_args = args[1:]
     else:
         op_args = args

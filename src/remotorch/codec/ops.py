@@ -6,7 +6,8 @@ A target is named on the wire, never shipped: ``"aten::addmm.default"``,
 only
 
 * through a fixed table of builtins,
-* as an aten/prims operator overload (minus a denylist), or
+* as an aten/prims operator overload (minus a denylist),
+* as one of torch's own custom operators (namespace ``torch_nn``), or
 * as a custom operator **already registered in its own process** (by a
   library its operator installed and allowed with ``remotorch serve
   --allow-ops NAMESPACE``), in an allowed namespace, with a schema that
@@ -21,6 +22,7 @@ fit never reaches the library's kernel. Anything else is an
 
 from __future__ import annotations
 
+import importlib
 import math
 import operator
 import re
@@ -56,7 +58,12 @@ SYMBOLIC: dict[str, tuple[object, int]] = {
 # Higher-order operators that take an operator as an argument (what torch.utils.checkpoint
 # lowers dropout and other random ops to, so that recomputation replays the same random
 # numbers): the argument at this index names an operator, resolved as any call target is.
-OP_ARGUMENT: dict[str, int] = {"hop:run_and_save_rng_state": 0, "hop:run_with_rng_state": 1}
+# ``with_effects(token, op, *args)`` runs an operator with a side effect (``aten._linalg_check_errors``,
+# which raises on a singular matrix) in the order its effect tokens thread (torch/_higher_order_ops/
+# effects.py); aot_autograd makes the tokens in the graph (``prims._make_token``) and sinks them
+# (``prims._sink_tokens``), as it does for inductor. It gives ``(new token, *op's results)``.
+OP_ARGUMENT: dict[str, int] = {"hop:run_and_save_rng_state": 0, "hop:run_with_rng_state": 1,
+                               "hop:with_effects": 1}
 # Higher-order operators whose arguments include subgraphs of the same document (torch.cond,
 # while_loop, scan, map, flex_attention, nested_compile_region, and what aot_autograd lowers
 # them to): their exact argument shapes are checked by codec/subgraphs.py.
@@ -68,11 +75,16 @@ BUILTINS: dict[str, object] = {
     **{name: fn for name, (fn, _) in SYMBOLIC.items()},
     "hop:run_and_save_rng_state": torch.ops.higher_order.run_and_save_rng_state,
     "hop:run_with_rng_state": torch.ops.higher_order.run_with_rng_state,
+    "hop:with_effects": torch.ops.higher_order.with_effects,
     **SUBGRAPH_OPS,
 }
 _BUILTIN_NAMES = {id(fn): name for name, fn in BUILTINS.items()}
 # Namespaces every worker resolves (with the denylist below); custom ones only when allowed.
 CORE_NAMESPACES = frozenset({"aten", "prims"})
+# torch's own custom operators (``torch.library.custom_op`` inside torch): every worker resolves
+# them, checked against their schemas as any custom operator; each namespace with the module of
+# torch that registers it on import (a fixed name here, never one from the wire).
+TORCH_NAMESPACES: dict[str, str] = {"torch_nn": "torch.nn.modules.linear_cross_entropy"}
 # Ops that reach outside the tensor world (files, process state) are refused
 # even though they live in aten.
 DENIED_OPS = frozenset({"aten::from_file", "aten::_print", "aten::set_", "aten::_assert_async",
@@ -106,8 +118,9 @@ def namespace(name: str) -> str:
 
 
 def custom_ops(names: Iterable[str]) -> tuple[str, ...]:
-    """The wire names among ``names`` that are custom operators (namespace other than aten/prims), sorted."""
-    return tuple(sorted({n for n in names if namespace(n) not in ("", *CORE_NAMESPACES)}))
+    """The wire names among ``names`` that are custom operators (namespace other than aten/prims and
+    torch's own), sorted: those a worker must allow."""
+    return tuple(sorted({n for n in names if namespace(n) not in ("", *CORE_NAMESPACES, *TORCH_NAMESPACES)}))
 
 
 def refused(ops: Iterable[str], allowed: Iterable[str]) -> UnsupportedGraphError | None:
@@ -142,8 +155,10 @@ def resolve_target(name: str, allowed: frozenset[str] = frozenset()):
     if not (sep and IDENT.match(ns) and IDENT.match(op) and IDENT.match(overload)
             and not op.startswith("__") and not overload.startswith("__")):
         raise UnsupportedGraphError(f"target {name[:200]!r} is not allowed")
-    if ns not in CORE_NAMESPACES and ns not in allowed:
+    if ns not in CORE_NAMESPACES and ns not in allowed and ns not in TORCH_NAMESPACES:
         raise not_allowed(name, ns)
+    if ns in TORCH_NAMESPACES:
+        importlib.import_module(TORCH_NAMESPACES[ns])  # registers them (once; then a dict lookup)
     if f"{ns}::{op}" in DENIED_OPS:
         raise UnsupportedGraphError(f"operation {ns}::{op} is not allowed on a worker")
     if ns not in CORE_NAMESPACES and not _registered(f"{ns}::{op}", overload):

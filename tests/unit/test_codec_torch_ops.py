@@ -1,0 +1,103 @@
+"""Graph documents with torch's own custom operators (``torch_nn``) and effectful operators (``with_effects``).
+
+Both come from graphs torch itself makes: ``F.linear_cross_entropy`` lowers to
+``torch_nn::_linear_cross_entropy_batch_chunked*``, and ``linalg.cholesky``,
+``inv``, ``solve``… run ``aten._linalg_check_errors`` wrapped in the
+``with_effects`` higher-order operator. Each is captured by torch, encoded,
+decoded as a worker does, run, and compared with torch running the function.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from remotorch.codec.graph import decode_graph, encode_graph
+from remotorch.codec.ops import custom_ops
+from remotorch.errors import UnsupportedGraphError
+
+CPU = torch.device("cpu")
+
+
+def decoded(gm: torch.fx.GraphModule, allowed: frozenset[str] = frozenset()):
+    payload = encode_graph(gm)
+    return payload, decode_graph(payload.doc, [], CPU, allowed).module
+
+
+def linear_cross_entropy(x, w, t):
+    from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
+
+    return torch.nn.functional.linear_cross_entropy(x, w, t, options=LinearCrossEntropyOptions(batch_chunk_size=2))
+
+
+def test_torch_nn_operators_need_no_allowed_namespace_and_run():
+    g = torch.Generator().manual_seed(0)
+    x, w, t = torch.randn(5, 3, generator=g), torch.randn(4, 3, generator=g), torch.randint(0, 4, (5,), generator=g)
+    gm = make_fx(linear_cross_entropy)(x, w, t)
+    assert any(n.op == "call_function" and getattr(n.target, "namespace", "") == "torch_nn" for n in gm.graph.nodes)
+    payload, module = decoded(gm)  # a worker that allows no custom namespace
+    assert payload.custom_ops == ()  # nothing for the client to ask the worker to allow
+    assert torch.equal(module(x, w, t), linear_cross_entropy(x, w, t))
+    assert custom_ops(["torch_nn::x.default", "mylib::y.default", "aten::add.Tensor"]) == ("mylib::y.default",)
+
+
+def test_torch_nn_calls_are_still_checked_against_their_schemas():
+    x, w, t = torch.randn(5, 3), torch.randn(4, 3), torch.randint(0, 4, (5,))
+    doc = msgspec.msgpack.decode(encode_graph(make_fx(linear_cross_entropy)(x, w, t)).doc)
+    call = next(n for n in doc["nodes"] if n.get("target", "").startswith("torch_nn::"))
+    call["args"][5] = 7  # `str reduction` given an int
+    with pytest.raises(UnsupportedGraphError, match="reduction"):
+        decode_graph(msgspec.msgpack.encode(doc), [], CPU)
+
+
+def effectful_graph(fn, *args) -> torch.fx.GraphModule:
+    """The forward graph aot_autograd gives remotorch for ``fn``: effect tokens made and sunk inside."""
+    from torch._functorch import config as functorch_config
+    from torch._functorch.aot_autograd import aot_function
+
+    from remotorch.capture.backend import _placeholders_first
+
+    graphs = []
+
+    def grab(gm, example_inputs):
+        _placeholders_first(gm)
+        graphs.append(gm)
+        return gm
+
+    with functorch_config.patch(unlift_effect_tokens=True):
+        aot_function(fn, fw_compiler=grab)(*args)
+    return graphs[0]
+
+
+def test_with_effects_round_trips_and_keeps_its_effect():
+    a = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    spd = a @ a.T + 4 * torch.eye(4)
+    gm = effectful_graph(torch.linalg.cholesky, spd)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.higher_order.with_effects in targets and torch.ops.prims._make_token.default in targets
+    payload, module = decoded(gm)
+    assert {"hop:with_effects", "prims::_make_token.default"} <= {
+        n.get("target") for n in msgspec.msgpack.decode(payload.doc)["nodes"]}
+    assert torch.equal(module(spd)[0], torch.linalg.cholesky(spd))
+    with pytest.raises(torch.linalg.LinAlgError):  # the effect: a matrix that is not positive definite raises
+        module(-spd)
+
+
+def test_with_effects_takes_a_token_first_and_names_only_allowed_operators():
+    spd = torch.eye(3) * 2
+    doc = msgspec.msgpack.decode(encode_graph(effectful_graph(torch.linalg.cholesky, spd)).doc)
+    at = next(i for i, n in enumerate(doc["nodes"]) if n.get("target") == "hop:with_effects")
+
+    def refused(change) -> str:
+        bad = msgspec.msgpack.decode(msgspec.msgpack.encode(doc))
+        change(bad["nodes"][at])
+        with pytest.raises(UnsupportedGraphError) as info:
+            decode_graph(msgspec.msgpack.encode(bad), [], CPU)
+        return str(info.value)
+
+    assert "token" in refused(lambda n: n["args"].__setitem__(0, 1.5))
+    assert "mylib" in refused(lambda n: n["args"].__setitem__(1, {"$op": "mylib::effect.default"}))
+    assert "not allowed" in refused(lambda n: n["args"].__setitem__(1, {"$op": "aten::_print.default"}))
