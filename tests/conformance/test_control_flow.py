@@ -23,6 +23,7 @@ from torch._higher_order_ops.scan import scan
 from torch.nn.attention import flex_attention as flex
 
 import remotorch
+from remotorch import errors
 from remotorch.devtools import conformance
 
 from conftest import TOKEN
@@ -150,7 +151,7 @@ def x34(sign: float = 1.0):
 
 
 CASES = {
-    "cond_true": (Cond, x34(1.0)), "cond_false": (Cond, x34(-1.0)), "while_loop": (While, x34()),
+    "cond": (Cond, x34(1.0)), "while_loop": (While, x34()),  # cond's other branch: the next test
     "scan": (Scan, (torch.randn(5, 2, 4),)), "map": (Map, (torch.randn(5, 4),)), "invoke_subgraph": (Invoke, x34()),
 }
 
@@ -195,3 +196,54 @@ def test_flex_attention_backward_operator(server, monkeypatch):
     ``flex_attention_backward``, with their score_mod, joint and mask_mod subgraphs."""
     monkeypatch.setattr(flex, "_validate_device", lambda *args: None)
     assert_same(*run(server, Flex, QKV, train=True))
+
+
+# ------------------------------------------------------------------ engines and limits
+@pytest.mark.parametrize("case, engine", [("cond", "inductor"), ("cond", "onnxrt"), ("map", "onnxrt")])
+def test_compiling_engines_run_it_or_refuse_it_typed(server, engine, case):
+    """An engine that cannot take a graph with subgraphs refuses it as unsupported (naming itself),
+    and the worker goes on serving; one that can gives aot_eager's results. (Here, torch 2.13 on
+    CPU: inductor refuses them all, dynamo failing to trace the higher-order call of the decoded
+    graph; onnxrt exports cond, while_loop, scan and invoke_subgraph, not map or flex_attention.)"""
+    make, inputs = CASES[case]
+    conformance._seed()
+    model = make()
+    with torch.no_grad():
+        want = torch.compile(model, backend="aot_eager", fullgraph=True)(*inputs)
+    torch._dynamo.reset()
+    with remotorch.Session(server.url, token=TOKEN) as session:
+        if engine not in session.health()["engines"]:
+            pytest.skip(f"the worker has no {engine}")
+        compiled = remotorch.compile(model, session=session, engine=engine, fallback="raise")
+        try:
+            with torch.no_grad():
+                got = compiled(*inputs)
+        except errors.UnsupportedGraphError as exc:
+            assert f"engine {engine} could not compile the graph" in str(exc)
+        else:
+            assert_same(conformance._read({"out": want}), conformance._read({"out": got}))
+        torch._dynamo.reset()
+        with torch.no_grad():
+            again = remotorch.compile(model, session=session, fallback="raise")(*inputs)
+    assert_same(conformance._read({"out": want}), conformance._read({"out": again}))
+
+
+@pytest.fixture(scope="module")
+def timed_worker(start_module_server):
+    return start_module_server(name="timed-loops", extra_args=("--request-timeout", "1"))
+
+
+def test_a_while_loop_that_never_ends_stops_at_the_request_timeout(timed_worker):
+    def forever(x):
+        return torch.while_loop(lambda i, h: i >= 0, lambda i, h: (i + 1, h.clone()), (torch.tensor(0), x))[1]
+
+    with remotorch.Session(timed_worker.url, token=TOKEN) as session:
+        with pytest.raises(errors.RequestTimeoutError):
+            with torch.no_grad():
+                remotorch.compile(forever, session=session, fallback="raise")(torch.ones(2))
+        torch._dynamo.reset()
+        x = torch.randn(5, 4)
+        with torch.no_grad():
+            got = remotorch.compile(Map(), session=session, fallback="raise")(x)
+    assert got.shape == (5, 4)
+    assert timed_worker.alive()
