@@ -8,7 +8,9 @@ OpOverloads minus a denylist, a fixed table of builtins, and custom operators
 registered in the worker's process in namespaces it allows, their arguments
 checked against their schemas) and rebuilds values only from a closed set of
 tags, so no bytes from the wire ever become code. Node names are assigned by
-the decoder, never taken from the document.
+the decoder, never taken from the document. The subgraphs of higher-order
+operators (``torch.cond``'s branches, a ``while_loop``'s body…) travel in the
+same document, under the same rules (``codec/subgraphs.py``).
 """
 
 from __future__ import annotations
