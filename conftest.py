@@ -25,15 +25,21 @@ import pytest
 from sybil import Sybil
 from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
 
-_HOME = "_docs_previous_cwd"
+_HOME, _COMPILE = "_docs_previous_cwd", "_docs_torch_compile"
 
 
 def _enter(namespace: dict) -> None:
+    import torch
+
     namespace[_HOME] = os.getcwd()
+    namespace[_COMPILE] = torch.compile  # an example importing Lightning replaces it (see _leave)
     os.chdir(tempfile.mkdtemp(prefix="remotorch-docs-"))
 
 
 def _leave(namespace: dict) -> None:
+    import torch
+
+    torch.compile = namespace.pop(_COMPILE)  # the rest of the run compiles without Lightning's wrapper
     here = os.getcwd()
     os.chdir(namespace.pop(_HOME))
     shutil.rmtree(here, ignore_errors=True)
