@@ -22,13 +22,16 @@ class EnvConfig:
     progress: bool = True  # progress bars on a terminal (REMOTORCH_PROGRESS=0 turns them off)
     cache_dir: str | None = None  # the worker's disk cache folder (None: the embedded worker's default)
     cache_off: bool = False  # REMOTORCH_CACHE_DIR=off: no disk cache, the embedded worker's included
+    launch_blocking: bool = False  # REMOTORCH_LAUNCH_BLOCKING=1: every request waits for its reply
 
 
 def from_env() -> EnvConfig:
     """``REMOTORCH_URL``, ``REMOTORCH_TOKEN``, ``REMOTORCH_TLS_CA``, ``REMOTORCH_SPIN_US``,
     ``REMOTORCH_EMBEDDED_TRANSPORT``, ``REMOTORCH_PROGRESS`` (``0``, ``false``, ``no`` or ``off``:
     no progress bars), ``REMOTORCH_CACHE_DIR`` (a folder, or ``off``), ``REMOTORCH_ALLOW_OPS`` and
-    ``REMOTORCH_WORKER_IMPORTS``, empty values counting as unset.
+    ``REMOTORCH_WORKER_IMPORTS``, ``REMOTORCH_LAUNCH_BLOCKING`` (``1``, ``true``, ``yes`` or ``on``:
+    every request waits for its reply, for debugging, as ``CUDA_LAUNCH_BLOCKING`` does), empty
+    values counting as unset.
 
     The last two are for the embedded worker only (its ``--allow-ops`` and
     ``--import``); ``remotorch serve`` takes them only as flags, so a worker
@@ -49,7 +52,9 @@ def from_env() -> EnvConfig:
                      tls_ca=os.environ.get("REMOTORCH_TLS_CA") or None,
                      cache_dir=None if cache_off else cache or None, cache_off=cache_off,
                      progress=(os.environ.get("REMOTORCH_PROGRESS") or "1").strip().lower()
-                     not in ("0", "false", "no", "off"))
+                     not in ("0", "false", "no", "off"),
+                     launch_blocking=(os.environ.get("REMOTORCH_LAUNCH_BLOCKING") or "").strip().lower()
+                     in ("1", "true", "yes", "on"))
 
 
 def parse_spin_us(value: str | float | None, what: str) -> float | None:

@@ -278,6 +278,7 @@ def test_a_value_of_an_ended_session_is_missing(session):
     f = compile_raise(lambda a: a - 1, session)
     with torch.no_grad():
         y = f(torch.randn(32, 32))
+    session.synchronize()  # nothing in flight: the detach goes on the connection by itself
     session.connection.transport.request(m.encode(m.Detach()))  # the worker ends the session now
     session.connection.drop()
     with pytest.raises(errors.MissingObjectsError, match="handle"):

@@ -614,6 +614,7 @@ def lose_worker_state(session) -> None:
     A dropped connection alone keeps the session for its lease (the client
     re-attaches); ending it on the worker is what loses the state.
     """
+    session.synchronize()  # nothing in flight: the detach goes on the connection by itself
     session.connection.transport.request(m.encode(m.Detach()))
     session.connection.drop()
 
@@ -676,7 +677,8 @@ def test_trained_parameters_lost_with_the_connection_are_a_typed_error_not_a_sta
     step = compile_remote(classifier_loss(model), session)
     lose_worker_state(session)  # the worker frees the trained parameters with the session
     with pytest.raises(MissingObjectsError, match="slot"):
-        step(*mlp_batch(8))
+        step(*mlp_batch(8)).item()  # a warm step is sent without waiting: its read raises
     with pytest.raises(MissingObjectsError, match="optimizer"):
-        opt.step()
+        opt.step()  # an optimizer step makes no value: its failure is raised at the next read or sync
+        session.synchronize()
     assert session.health()["name"] == "test"

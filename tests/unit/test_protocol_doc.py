@@ -53,10 +53,10 @@ def test_every_field_is_named_in_its_row():
 
 def test_the_envelope_and_its_housekeeping_are_documented():
     """`pending` is the envelope's third element (no message has it as a field), with every field of Pending."""
-    assert m.Envelope.__struct_fields__ == ("v", "body", "pending")
+    assert m.Envelope.__struct_fields__ == ("v", "body", "pending", "seq", "ack")
     assert not [cls.__name__ for cls in tagged_structs().values() if "pending" in cls.__struct_fields__]
     section = between("## 7. Frame 0: the envelope", "### 7.1 TensorMeta")
-    assert "[v, body, pending]" in section
+    assert "[v, body, pending]" in section and "[v, body, pending, seq, ack]" in section
     for i, field in enumerate(m.Pending.__struct_fields__):  # array form: the row gives its position
         assert f"| {i} | `{field}` |" in section, field
 

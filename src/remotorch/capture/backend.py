@@ -23,6 +23,7 @@ import torch
 from ..codec.ops import CORE_NAMESPACES
 from ..errors import UnsupportedGraphError
 from .graph import FALLBACKS, GraphRunner, RemoteGraph, output_devices
+from .layout import Layouts
 
 CUSTOM_OPS = ("worker", "decompose")
 
@@ -213,15 +214,16 @@ def _aliased_outputs(kind: str, n_outputs: int) -> tuple[frozenset[int], frozens
     directly: it copies mutated inputs' new values into them, and rebuilds
     outputs that alias an input or an intermediate from their base. Those
     outputs must be real, and an input an output aliases must be here. A
-    backward graph's outputs are gradients, which the autograd engine reads
-    in C++: all real.
+    backward graph's outputs are gradients, which the autograd engine works
+    on in C++: they stand here as placeholders that read their value before
+    any such operation (``client.remote.RemoteGrad``), so none must be real.
     """
     from torch._functorch._aot_autograd.schemas import OutputType
     from torch._guards import TracingContext
 
     everything = frozenset(range(n_outputs))
-    if kind == "backward":
-        return everything, frozenset()
+    if kind == "backward":  # gradients: placeholders the engine reads when it must (client.remote.RemoteGrad)
+        return frozenset(), frozenset()
     ctx = TracingContext.try_get()
     meta = getattr(ctx, "fw_metadata", None) if ctx else None
     if meta is None:
@@ -268,11 +270,23 @@ def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: 
                         resident=_static_indices(example_inputs) if static else [],
                         output_devices=devices, local=gm.forward, unsupported=unsupported,
                         kind=kind, saved_from=_saved_from() if kind == "forward" else None,
-                        must_real=must_real, fetch_first=fetch_first, worker=worker)
+                        must_real=must_real, fetch_first=fetch_first, worker=worker,
+                        layouts=_layouts(gm, kind))
     if made is not None:
         made.append((graph, kind == "inference" and _runs_direct(),
                      sum(1 for n in gm.graph.nodes if n.op == "placeholder")))
     return graph
+
+
+def _layouts(gm: torch.fx.GraphModule, kind: str) -> Layouts | None:
+    """The graph's output layouts as functions of its arguments (None: some cannot be known here).
+
+    A backward graph's saved activations arrive as empty placeholders: its
+    sizes are bound from its tangents and the sizes passed to it.
+    """
+    truthful = (lambda i, name: name.startswith("tangents")) if kind == "backward" else (lambda i, name: True)
+    layouts = Layouts(gm, truthful)
+    return layouts if layouts.known else None
 
 
 def compile(fn, *, session=None, engine: str = "eager", fallback: str = "local", dynamic: bool | None = None,

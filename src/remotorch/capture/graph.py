@@ -54,7 +54,8 @@ class RemoteGraph:
                  fallback: str, resident: list[int], output_devices: list, local: Callable,
                  unsupported: RemoteError | None = None, kind: str = "inference",
                  saved_from: int | None = None, must_real: frozenset[int] = frozenset(),
-                 fetch_first: frozenset[int] = frozenset(), worker: int | str | None = None) -> None:
+                 fetch_first: frozenset[int] = frozenset(), worker: int | str | None = None,
+                 layouts: Callable[[Sequence], list | None] | None = None) -> None:
         # Instance attribute, not class: dynamo wraps backward graphs with
         # functools.wraps, which copies __dict__ and so keeps the boxed convention.
         self._boxed_call = True
@@ -75,6 +76,7 @@ class RemoteGraph:
         self.must_real = must_real  # outputs aot_autograd's runtime reads here: always sent back
         self.fetch_first = fetch_first  # inputs it reads here: fetched before the run if remote
         self.worker = worker  # which of the runner's workers runs it (None: the first)
+        self.layouts = layouts  # args -> each output's layout or value, None when unknown (capture.layout)
         # what the client learns of the graph while the program runs is the client's own
         # (client.policy.GraphPolicy); nothing here changes after construction
 

@@ -36,8 +36,9 @@ from .graph import Graph
 from .handles import HandleTable
 from .ids import ContentIds
 from .link import Launched, Link, Locate, parse_reply
+from .stream import QueueLimits
 from .policy import Policies
-from .remote import RemoteTensor
+from .remote import REMOTE
 from .reuse import InputReuse
 from .stats import Counters
 from .uploads import Resident, Uploads
@@ -59,9 +60,11 @@ class Connection:
 
     def __init__(self, locate: Locate, *, ids: ContentIds | None = None, connect_timeout: float = 5.0,
                  timeout: float | None = 300.0, tls_ca: str | None = None, spin_s: float | None = 0.0,
-                 retry_after: float = 1.0, transport: Transport | None = None) -> None:
+                 retry_after: float = 1.0, transport: Transport | None = None, limits: QueueLimits | None = None,
+                 blocking: bool = False) -> None:
         self.link = Link(locate, connect_timeout=connect_timeout, timeout=timeout, tls_ca=tls_ca,
-                         spin_s=spin_s, retry_after=retry_after, transport=transport)
+                         spin_s=spin_s, retry_after=retry_after, transport=transport, limits=limits,
+                         blocking=blocking)
         self.lock = self.link.lock  # one request (or one sequence that must stay together) at a time
         self.stats = Counters()
         self.uploads = Uploads(self.link, self.stats, ids)
@@ -144,14 +147,26 @@ class Connection:
         placeholder Python still holds, and whatever ``before_close`` hooks
         keep (trained parameters, optimizer state), so nothing Python holds
         becomes unreadable. Without it, such values are dropped with the session.
+        A failure of a request whose result nobody read is raised once closed.
         """
         with self.lock:
+            failure = None
+            if not self.closed and self.connected:
+                try:  # first every reply, and the failures nobody read (raised once closed)
+                    self.link.sync()
+                except errors.RemoteError as exc:
+                    failure = exc
             if fetch and not self.closed and self.connected:
                 self._pull_before_close()
             if not fetch and not self.closed:
                 self.link.closed_why = ("session is closed and its values were dropped "
                                         "(it was closed with fetch=False)")
-            self.link.close(detach)
+            try:
+                self.link.close(detach)
+            except errors.RemoteError as exc:
+                failure = failure or exc
+            if failure is not None:
+                raise failure
 
     def _pull_before_close(self) -> None:
         for hook in self.before_close:
@@ -291,7 +306,7 @@ class Connection:
         """
         engine = engine or graph.engine
         self.import_values(args)
-        plain = request is m.Run and placed is None and launched is None
+        plain = request is m.Run and placed is None
         reuse = plain and self.reuse.begin(args, graph.resident_set)
         binds: list = [None]  # the binding this request makes, if it makes one
 
@@ -310,7 +325,7 @@ class Connection:
             return request(graph.graph_id, engine, run_args, **extra), frames
 
         if launched is not None:
-            return self._launch(graph, build, launched)
+            return self._launch(graph, build, launched, binds)
         try:
             reply, frames = self.call(build, graph, expect)
         except BaseException:
@@ -321,18 +336,38 @@ class Connection:
         self.reuse.committed()
         return reply, frames
 
-    def _launch(self, graph: Graph, build, launched: Launched) -> Launched:
+    def _launch(self, graph: Graph, build, launched: Launched, binds: list) -> Launched:
+        """Send a run without waiting. What it asks the worker to keep (an argument binding, inputs
+        kept for the call) counts as held at once: the worker runs requests in order, so the next
+        request finds it, unless this one fails (then it counts as not held again)."""
         on_reply = launched.on_reply
         with self.lock:
+            self.link.connect()  # a new connection attaches first: a worker that lost us is known before the build
             self.uploads.ensure_graph(graph)
             body, frames = build()
+            resident = binds[0]
 
             def counted(reply, out) -> None:
                 self.stats.ran(reply, body)
-                on_reply(reply, out)
+                try:
+                    on_reply(reply, out)
+                except errors.RemoteError:
+                    if resident is not None:
+                        resident.held = False
+                    raise
 
-            launched.on_reply, launched.expect = counted, m.RunReply
+            def failed(exc: errors.RemoteError) -> None:
+                if resident is not None:
+                    resident.held = False
+                if isinstance(exc, errors.MissingObjectsError):
+                    self.uploads.forget(exc)  # the next call uploads them again, waiting for its
+                    self.policies.of(graph).ran = False  # reply (so it can repair more than one layer)
+
+            launched.on_reply, launched.expect, launched.on_error = counted, m.RunReply, failed
             self.link.launch(body, frames, launched)
+            if resident is not None:
+                resident.held = True
+            self.reuse.committed()
         return launched
 
     def pack_args(self, graph: Graph, args: Sequence, reuse: bool = False,
@@ -358,7 +393,7 @@ class Connection:
             a = args[i]
             if run_args[i] is not None:
                 continue
-            if type(a) is RemoteTensor:
+            if type(a) in REMOTE:
                 run_args[i] = values.value_arg(self, a, w)
             else:
                 hid = self.reuse.arg(graph, i, a, reuse) if placed is None and isinstance(a, torch.Tensor) else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -21,3 +22,6 @@ class Graph(Protocol):
     saved_from: int | None  # forward: outputs from here on are saved for backward
     worker: int | str | None  # which worker of the session runs it (None: the first)
     must_real: frozenset[int]  # outputs aot_autograd's runtime reads here: always sent back
+    # args -> each output's layout (capture.layout.TensorLayout) or value; None when not known
+    # here (the call then waits for the worker's answer); the attribute itself None: never known
+    layouts: Callable[[Sequence], list | None] | None

@@ -3,11 +3,14 @@
 A :class:`Link` owns the transport and the worker-side session it attaches
 to on every new connection (uploads survive a dropped connection for the
 worker's lease; a background thread sends heartbeats while the link is
-idle). :meth:`Link.request` sends one request and reads its reply;
-:meth:`Link.launch` sends one without waiting, its reply read in order
-later (:meth:`Link.settle`). Every request carries the deferred housekeeping
-``take_pending()`` gives, on its envelope. Replies that are errors are
-raised as their ``RemoteError``; a reply of the wrong type is a ``ProtocolError``.
+idle), and the ordered stream of requests on it
+(:class:`~remotorch.client.stream.Stream`): :meth:`Link.launch` sends a
+request without waiting (its reply is read in order later),
+:meth:`Link.request` sends one and waits for its reply, :meth:`Link.sync`
+waits for all. Every request carries the deferred housekeeping
+``take_pending()`` gives, on its envelope, with its sequence number. Replies
+that are errors are raised as their ``RemoteError``; a reply of the wrong
+type is a ``ProtocolError``.
 """
 
 from __future__ import annotations
@@ -17,14 +20,14 @@ import secrets
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from .. import errors
 from ..codec import messages as m
 from ..transport import TcpTransport, Transport
 from ..transport.tls import client_context
+from . import origin
+from .stream import Launched, QueueLimits, Stream
 
 log = logging.getLogger(__name__)
 
@@ -32,30 +35,17 @@ log = logging.getLogger(__name__)
 Locate = Callable[[], tuple[str, "str | None"]]
 
 
-@dataclass(eq=False)
-class Launched:
-    """A request sent without waiting for its reply (an asynchronous call); settled in order later."""
-
-    what: str  # names it in errors: "graph 3f2a9c01d2e4"
-    on_reply: Callable[[object, list], None]
-    expect: type | None = None
-    done: bool = False
-    error: errors.RemoteError | None = None
-
-    def raise_error(self) -> None:
-        """Raise what the call failed with, naming the call."""
-        if self.error is not None:
-            exc = self.error
-            raise type(exc)(f"{self.what} (launched earlier) failed: {exc.message}",
-                            remote_traceback=exc.remote_traceback) from exc
-
-
 class Link:
-    """Transport, worker-side session, heartbeats, and the request/launch/settle primitives."""
+    """Transport, worker-side session, heartbeats, and the ordered stream of requests on them.
+
+    ``limits`` bound how far the client runs ahead of the worker;
+    ``blocking`` waits for every reply at once (see :mod:`remotorch.client.stream`).
+    """
 
     def __init__(self, locate: Locate, *, connect_timeout: float = 5.0, timeout: float | None = 300.0,
                  tls_ca: str | None = None, spin_s: float | None = 0.0, retry_after: float = 1.0,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None, limits: QueueLimits | None = None,
+                 blocking: bool = False) -> None:
         self._locate = locate
         self._connect_timeout = connect_timeout
         self._timeout = timeout
@@ -76,8 +66,12 @@ class Link:
         self._heartbeat_stop = threading.Event()
         self._closed = False
         self.closed_why = "session is closed"
-        self._inflight: deque[Launched] = deque()  # launched calls whose replies are not read yet
-        self.max_inflight = 32
+        self._resumed = True  # the last attach found the session on the worker
+        self._progress = self._pending = None  # of the request being sent (see launch)
+        self.stream = Stream(post=self._post, collect=lambda: self.transport.collect(),
+                             ready=lambda: self.transport.ready(), reconnect=self._reconnect,
+                             encode=self._encode, parse=lambda header, expect: parse_reply(header, self.url, expect),
+                             limits=limits, blocking=blocking)
 
     # ------------------------------------------------------------------ lifetime
     @property
@@ -92,6 +86,7 @@ class Link:
                                            connect_timeout=self._connect_timeout, timeout=self._timeout,
                                            tls=client_context(self._tls_ca) if self._tls_ca else None,
                                            on_connect=self._attach, spin_s=self._spin_s)
+            self.stream.name = url
         return self._transport
 
     @property
@@ -104,10 +99,20 @@ class Link:
         return self._transport is not None and self._transport.connected
 
     def close(self, detach: bool = True) -> None:
-        """End the worker-side session (``detach``: free what it holds now, not after the lease) and close."""
+        """End the worker-side session (``detach``: free what it holds now, not after the lease) and close.
+
+        Replies still in flight are read first; a failure among them that
+        nobody read is raised after the link closed.
+        """
         with self.lock:
+            failure = None
+            if not self._closed and self._transport is not None:
+                try:
+                    self.stream.sync()
+                except errors.RemoteError as exc:
+                    failure = exc
             self._heartbeat_stop.set()
-            if detach and not self._closed and self.connected:
+            if detach and not self._closed and self.connected and not self.stream.inflight:
                 try:
                     self._transport.set_timeout(min(2.0, self._timeout or 2.0))  # never hang in close()
                     self._transport.request(m.encode(m.Detach()))
@@ -116,6 +121,8 @@ class Link:
             self._closed = True
             if self._transport is not None:
                 self._transport.close()
+            if failure is not None:
+                raise failure
 
     def drop(self) -> None:
         """Close the socket only; the next request reconnects and re-attaches (the lease keeps the session)."""
@@ -129,6 +136,7 @@ class Link:
     def _attach(self, ask: Callable[[bytes], bytes]) -> None:
         """On each new connection: name this session, learn whether the worker still holds it."""
         reply = parse_reply(ask(m.encode(m.Attach(self.session_id))), self.url, m.AttachReply)
+        self._resumed = reply.resumed
         if not reply.resumed:  # a new session (worker restarted, or the lease ran out): upload again
             for hook in self.on_reset:
                 hook()
@@ -137,12 +145,36 @@ class Link:
             threading.Thread(target=_heartbeats, args=(weakref.ref(self), self._heartbeat_stop),
                              name="remotorch-heartbeat", daemon=True).start()
 
+    def _reconnect(self) -> bool:
+        """Open a new connection now (after one dropped); whether the worker still held the session."""
+        if self._closed:
+            raise errors.WorkerUnavailableError(self.closed_why)
+        self._resumed = True
+        try:
+            self.transport.connect()
+        except errors.WorkerUnavailableError:
+            self._down_until = time.monotonic() + self._retry_after
+            raise
+        return self._resumed
+
+    def connect(self) -> None:
+        """Open the connection now if none is open (attaching to the session: see :meth:`_attach`)."""
+        if not self.connected:
+            if time.monotonic() < self._down_until:
+                raise errors.WorkerUnavailableError(f"worker {self.url or 'local'} failed moments ago; "
+                                                    f"not retrying for {self._retry_after}s")
+            try:
+                self.transport.connect()
+            except errors.WorkerUnavailableError:
+                self._down_until = time.monotonic() + self._retry_after
+                raise
+
     def heartbeat(self) -> None:
         """Keep the lease alive if idle; never opens a connection or waits on a call."""
         if not self.lock.acquire(blocking=False):
             return  # a call is running: that keeps the lease alive
         try:
-            if self._closed or not self.connected or self._inflight:
+            if self._closed or not self.connected or self.stream.inflight:
                 return
             self.last_request = time.monotonic()
             self._transport.request(m.encode(m.Heartbeat()))
@@ -161,85 +193,69 @@ class Link:
 
     # ------------------------------------------------------------------ requests
     def request(self, body, frames: Sequence = (), progress: Callable[[int], None] | None = None,
-                expect: type | None = None, pending: m.Pending | None = None):
-        """Send one request; the decoded reply and its frames, or its error raised as a ``RemoteError``.
+                expect: type | None = None, pending: m.Pending | None = None, what: str = ""):
+        """Send one request and wait for its reply: ``(reply, frames)``, or its error raised.
 
         ``expect``: the reply type it must be (else ``ProtocolError``).
-        Replies of launched calls are read first (they come in order).
-        ``progress(n)`` hears of the bytes sent (see :meth:`Transport.request`).
+        Requests sent before it are answered first (in order). ``progress(n)``
+        hears of the bytes sent (see :meth:`Transport.post`).
         """
+        launched = Launched(what or type(body).__name__, expect=expect, origin=origin.here())
         with self.lock:
-            if self._inflight:
-                self.settle()
-            transport, header = self._prepare(body, pending)
-            try:
-                if progress is None:
-                    reply, out = transport.request(header, frames)
-                else:
-                    reply, out = transport.request(header, frames, progress=progress)
-            except errors.WorkerUnavailableError:
-                self._down_until = time.monotonic() + self._retry_after
-                raise
-            return parse_reply(reply, self.url, expect), out
+            self.launch(body, frames, launched, progress=progress, pending=pending)
+            self.stream.wait(launched)
+        launched.raise_error()
+        return launched.reply, launched.frames
 
-    def _prepare(self, body, pending: m.Pending | None = None) -> tuple[Transport, bytes]:
+    def launch(self, body, frames: Sequence, launched: Launched, *, progress: Callable[[int], None] | None = None,
+               pending: m.Pending | None = None) -> Launched:
+        """Send a request without waiting for its reply; ``launched.on_reply(reply, frames)`` runs
+        when it is read (in order: by a later wait, or as replies arrive). A failure is kept on
+        ``launched`` and raised where its results are used (see :mod:`remotorch.client.stream`)."""
         if time.monotonic() < self._down_until:
             raise errors.WorkerUnavailableError(f"worker {self.url or 'local'} failed moments ago; "
                                                 f"not retrying for {self._retry_after}s")
-        transport = self.transport
-        self.last_request = time.monotonic()
-        return transport, m.encode(body, pending or self.take_pending())
-
-    def launch(self, body, frames: Sequence, launched: Launched) -> Launched:
-        """Send a request without waiting for its reply; ``launched.on_reply(reply, frames)`` runs
-        when it is read.
-
-        Replies are read in order, by the next request on this link, by
-        :meth:`settle`, or when more than ``max_inflight`` calls are
-        outstanding. A failure is kept on ``launched`` and raised where its
-        results are used.
-        """
         with self.lock:
-            transport, header = self._prepare(body)
+            self.transport  # noqa: B018 (created on first use: names the stream)
+            self._progress, self._pending = progress, pending
             try:
-                transport.post(header, frames)
-            except errors.WorkerUnavailableError:
-                self._down_until = time.monotonic() + self._retry_after
-                raise
-            self._inflight.append(launched)
-            while len(self._inflight) > self.max_inflight:
-                self._settle_one()
+                self.stream.launch(body, frames, launched)
+            finally:
+                self._progress = self._pending = None
+            self.last_request = time.monotonic()
             return launched
 
-    @property
-    def can_launch(self) -> bool:
-        """Whether this link's transport can send without waiting for replies."""
-        return type(self.transport).post is not Transport.post
+    def _encode(self, body, seq: int, ack: int) -> bytes:
+        pending = self._pending if self._pending is not None else self.take_pending()
+        return m.encode(body, pending, seq=seq, ack=ack)
+
+    def _post(self, header: bytes, frames: Sequence) -> None:
+        progress, self._progress = self._progress, None
+        try:
+            self.transport.post(header, frames, progress=progress)
+        except errors.WorkerUnavailableError:
+            if not self.transport.connected:  # no worker answered: do not try again at once
+                self._down_until = time.monotonic() + self._retry_after
+            raise
 
     def settle(self, until: Launched | None = None) -> None:
         """Read the replies of launched calls, oldest first (all of them, or up to ``until``)."""
         with self.lock:
-            while self._inflight and (until is None or not until.done):
-                self._settle_one()
+            if until is None:
+                while self.stream.inflight:
+                    self.stream.wait(self.stream.inflight[-1], read=False)
+            else:
+                self.stream.wait(until)
+
+    def sync(self) -> None:
+        """Wait until the worker answered everything sent; raise a failure nobody read yet."""
+        with self.lock:
+            self.stream.sync()
 
     @property
     def idle(self) -> bool:
         """No launched call waits for its reply."""
-        return not self._inflight
-
-    def _settle_one(self) -> None:
-        launched = self._inflight.popleft()
-        try:
-            header, out = self._transport.collect()
-            launched.on_reply(parse_reply(header, self.url, launched.expect), out)
-        except errors.RemoteError as exc:
-            launched.error = exc
-            if isinstance(exc, errors.TransportError):  # the connection is gone: so are the other replies
-                while self._inflight:
-                    other = self._inflight.popleft()
-                    other.error, other.done = exc, True
-        finally:
-            launched.done = True
+        return not self.stream.inflight
 
 
 def parse_reply(header: bytes, url: str | None, expect: type | None = None) -> object:

@@ -8,8 +8,9 @@ runs it (as httpx keeps cookies in the client, never on a request):
 * ``read_outputs``: outputs Python read before: sent back, not kept on the worker;
 * ``reused_inputs``: inputs a later graph of the same call took too: kept there
   (:mod:`remotorch.client.reuse`);
-* ``layouts``: the outputs' layouts by input signature, from calls that kept
-  every output: a later call of the same shapes may launch without waiting.
+* ``ran``: the graph ran on this connection once, waited for (its upload,
+  its compile and any refusal are behind it): from then on its calls are sent
+  without waiting (:mod:`remotorch.client.launch`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .graph import Graph
 class GraphPolicy:
     read_outputs: set[int] = field(default_factory=set)
     reused_inputs: set[int] = field(default_factory=set)
-    layouts: dict = field(default_factory=dict)
+    ran: bool = False
 
     def keep(self, graph: Graph) -> list[int]:
         """Tensor outputs that stay on the worker: not needed here, and not read by Python before."""

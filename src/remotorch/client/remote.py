@@ -63,7 +63,11 @@ class Connection(Protocol):
 
 
 class RemoteRef:
-    """One worker handle, owned by the placeholders (and views) that stand for it."""
+    """One worker handle, owned by the placeholders (and views) that stand for it.
+
+    ``handle`` 0: no handle; the value comes back in the reply of the call
+    that makes it (``launched``), which fills the placeholder when it is read.
+    """
 
     __slots__ = ("handle", "conn", "policy", "index", "copies", "launched", "recompute", "root", "views",
                  "__weakref__")
@@ -82,19 +86,23 @@ class RemoteRef:
     def __del__(self) -> None:
         # runs in garbage collection, on any thread: only queue appends
         try:
-            self.conn.handles.release(self.handle)
+            if self.handle:
+                self.conn.handles.release(self.handle)
             for other, handle in self.copies.values():
                 other.handles.release(handle)
         except Exception:  # interpreter shutdown
             pass
 
     def check(self) -> None:
-        """Raise the error of the asynchronous call that was to make this value, if it failed."""
+        """Wait for the call that makes this value (a read: one round trip at most); raise its error
+        if it failed, naming the call and the line that issued it."""
         launched = self.launched
         if launched is not None:
             if not launched.done:
                 self.conn.settle(launched)
             launched.raise_error()
+            if self.launched is launched and launched.error is None:
+                self.launched = None
 
     def note_read(self) -> None:
         if self.policy is not None:
@@ -166,6 +174,10 @@ class RemoteTensor(torch.Tensor):
             RemoteTensor.materialize_(base)  # fills the shared local buffer
         else:
             ref.check()
+            if "_rt_ref" not in self.__dict__:
+                return self  # its call's reply brought the value: filled
+            if not ref.handle:
+                raise errors.ProtocolError("the worker's reply did not carry a value it was to send")
             try:
                 real = ref.conn.fetch(arg_of(self))  # raises a RemoteError: then nothing changes here
             except _LOST as exc:
@@ -187,12 +199,40 @@ class RemoteTensor(torch.Tensor):
 
 
 
+class RemoteGrad(RemoteTensor):
+    """A gradient a backward graph left on its worker (or whose reply is on its way).
+
+    The autograd engine works on gradients in C++, below ``__torch_function__``
+    (it sums the gradients of a tensor used twice, casts, reduces a broadcast):
+    every such operation comes here first and reads the value (one round
+    trip), so the engine never sees an unwritten buffer. Passed to the next
+    backward graph, as the engine does along a chain of graphs, it travels as
+    a reference and nothing waits. Dynamo never sees one: the engine hands
+    gradients only to autograd functions and to ``.grad``, which gets a plain
+    tensor (the engine detaches what it stores, and that reads it).
+    """
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C._DisableTorchDispatch():
+            for a in tree_leaves((args, kwargs)):
+                if type(a) is RemoteGrad and "_rt_ref" in a.__dict__:
+                    a.materialize_()
+            args, kwargs = tree_map(lambda a: a.as_subclass(Tensor) if type(a) is RemoteGrad else a,
+                                    (args, kwargs))
+            return func(*args, **kwargs)
+
+
+REMOTE = frozenset((RemoteTensor, RemoteGrad))  # the placeholder classes (type(x) in REMOTE: one hash lookup)
+
+
 def _eager(func, args, kwargs):
     if func in NO_FETCH or torch._guards.TracingContext.try_get() is not None:
         # metadata, or compile-time machinery (fakeification asks untyped_storage(), is_inference()…)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
-    pending = [a for a in tree_leaves((args, kwargs)) if type(a) is RemoteTensor and "_rt_ref" in a.__dict__]
+    pending = [a for a in tree_leaves((args, kwargs)) if type(a) in REMOTE and "_rt_ref" in a.__dict__]
     # (never for _AS_PLAIN: trying __deepcopy__ on the meta twin would leave the twin's copy in the
     # memo under an id() that the plain tensor below may reuse, and deepcopy would return it)
     if len(pending) == 1 and args and args[0] is pending[0] and func not in _AS_PLAIN:
@@ -227,7 +267,7 @@ def _call_plain(func, args, kwargs):
         originals: dict[int, Tensor] = {}
 
         def unwrap(a):
-            if type(a) is not RemoteTensor:
+            if type(a) not in REMOTE:
                 return a
             p = a.as_subclass(Tensor)
             originals[id(p)] = a
@@ -275,6 +315,8 @@ def _lazy_view(func, src: RemoteTensor, args, kwargs):
         return NotImplemented  # e.g. mixes meta with real tensors: not a view op
     if twin._version != before:
         return NotImplemented  # in place
+    if mout is twin:  # returns its input unchanged (contiguous() of a contiguous tensor, to() its own dtype)
+        return src
     mouts = mout if isinstance(mout, (tuple, list)) else (mout,)
     if not mouts or not all(isinstance(o, Tensor) and o is not twin and torch._C._is_alias_of(o, twin)
                             for o in mouts):
@@ -292,8 +334,8 @@ def _lazy_view(func, src: RemoteTensor, args, kwargs):
             # as_subclass makes an autograd view; an op whose result is no view (detach,
             # _unsafe_view: aot_autograd uses it so that autograd may let an output be
             # written in place) keeps it that way, unless that would cut a gradient's path
-            r = v.as_subclass(RemoteTensor) if v._is_view() or v.grad_fn is not None else \
-                torch.Tensor._make_subclass(RemoteTensor, v, v.requires_grad)
+            r = v.as_subclass(type(src)) if v._is_view() or v.grad_fn is not None else \
+                torch.Tensor._make_subclass(type(src), v, v.requires_grad)
         r._rt_ref = ref
         r._rt_base = root
         r._rt_view = (list(v.shape), list(v.stride()), v.storage_offset() - origin)
@@ -305,16 +347,21 @@ def _lazy_view(func, src: RemoteTensor, args, kwargs):
 
 # ----------------------------------------------------------------------- API
 def placeholder(conn: Connection, kept: m.KeptArg, device: torch.device | None, policy=None,
-                index: int = -1, launched=None) -> RemoteTensor:
-    """A local stand-in for the tensor the worker kept (or, launched, will keep) as ``kept.id``."""
+                index: int = -1, launched=None, cls: type = None, dtype: torch.dtype | None = None) -> RemoteTensor:
+    """A local stand-in for the tensor the worker kept (or, launched, will keep) as ``kept.id``.
+
+    ``kept.id`` 0: a value the reply of ``launched`` brings (it fills the
+    placeholder then). ``cls``: :class:`RemoteGrad` for a backward's outputs.
+    """
     if not _EAGER:
         _dynamo_hooks()
-    buf = torch.empty_strided(kept.shape, kept.strides, dtype=dtype_from_name(kept.dtype),
+    buf = torch.empty_strided(kept.shape, kept.strides, dtype=dtype or dtype_from_name(kept.dtype),
                               device=device if device is not None else "cpu")
-    t = torch.Tensor._make_subclass(RemoteTensor, buf, False)
+    t = torch.Tensor._make_subclass(cls or RemoteTensor, buf, False)
     ref = t._rt_ref = RemoteRef(kept.id, conn, policy, index, launched)
     ref.root = weakref.ref(t)
-    conn.handles.track(ref)
+    if kept.id:
+        conn.handles.track(ref)
     return t
 
 
@@ -322,7 +369,7 @@ def _write(t: RemoteTensor, value: Tensor) -> None:
     """The value into a placeholder's buffer: an internal write, outside any dispatch mode, that
     bumps no version counter (the tensor may be saved for backward). A placeholder made under
     ``torch.inference_mode`` is an inference tensor: written in that mode (it has no counter)."""
-    with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass():
+    with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass(), torch._C._DisableTorchDispatch():
         if t.is_inference():
             with torch.inference_mode():
                 t.copy_(value)
@@ -347,7 +394,7 @@ def fill(t: RemoteTensor, value: Tensor) -> None:
 
 def remote_ref(t) -> RemoteRef | None:
     """The handle a still-remote placeholder stands for, else None (also for every other value)."""
-    return t.__dict__.get("_rt_ref") if type(t) is RemoteTensor else None
+    return t.__dict__.get("_rt_ref") if type(t) in REMOTE else None
 
 
 def arg_of(t: RemoteTensor) -> m.HandleArg | m.ViewArg:
@@ -370,7 +417,7 @@ def plain(t: Tensor) -> Tensor:
 def fetch_all(values) -> None:
     """Fetch every still-remote placeholder among ``values`` (before local code reads their buffers)."""
     for v in values:
-        if type(v) is RemoteTensor and "_rt_ref" in v.__dict__:
+        if type(v) in REMOTE and "_rt_ref" in v.__dict__:
             v.materialize_()
 
 

@@ -25,10 +25,11 @@ from ..codec import messages as m
 from ..config import from_env, parse_spin_us
 from ..transport import Transport
 from .connection import Connection, ContentIds, Graph
+from .stream import QueueLimits
 from .embedded import EmbeddedWorker
 from .progress import upload_bar
-from . import values
 from .values import recompute_locally
+from .launch import Plan, launch, launchable, nbytes
 from .pool import Pool, split_urls
 
 
@@ -92,11 +93,16 @@ class Session:
     by anything else it is fetched once. An output Python read once comes
     back directly from then on; outputs under ``keep_min_bytes`` always do.
 
-    ``async_calls`` (default off): a call whose outputs all stay on the
-    worker, with a layout known from an earlier call of the same input
-    shapes, returns at once, before the worker answers, as a CUDA kernel
-    launch does; the next read waits, and a failure is raised there, naming
-    the graph.
+    Requests are not waited for unless Python needs their answer: a graph
+    call whose outputs Python does not read, a backward, an optimizer step,
+    an upload are sent and the program goes on, as a CUDA kernel launch does;
+    a read of a value waits for it (one round trip), and a failure is raised
+    there, naming what failed and the line that issued it
+    (:mod:`remotorch.client.stream`). ``queue`` (a
+    :class:`~remotorch.client.stream.QueueLimits`) bounds how far the program
+    runs ahead; :meth:`synchronize` waits for everything sent.
+    ``blocking`` (default ``REMOTORCH_LAUNCH_BLOCKING``) makes every request
+    wait for its reply, for debugging.
 
     ``allow_ops`` (default ``REMOTORCH_ALLOW_OPS``) lists namespaces of
     library custom operators the *embedded* worker may run
@@ -133,7 +139,7 @@ class Session:
                  transport: Transport | None = None, retry_after: float = 1.0,
                  tokens: Mapping[str, str] | None = None, prices: Mapping[str, float] | None = None,
                  tls_ca: str | None = None, spin_us: float | str | None = None, keep_outputs: bool = True,
-                 keep_min_bytes: int = 1024, async_calls: bool = False,
+                 keep_min_bytes: int = 1024, blocking: bool | None = None, queue: QueueLimits | None = None,
                  allow_ops: str | Sequence[str] | None = None,
                  worker_imports: str | Sequence[str] | None = None, progress: bool | None = None,
                  fetch_on_close: bool = True) -> None:
@@ -146,7 +152,7 @@ class Session:
         self.keep_outputs = keep_outputs
         self.keep_min_bytes = keep_min_bytes
         self.fetch_on_close = fetch_on_close
-        self.async_calls = async_calls
+        self.blocking = env.launch_blocking if blocking is None else blocking
         self._token = token if token is not None else env.token
         self._tokens = dict(tokens or {})
         self._spin_s = None if spin_us is None else spin_us / 1e6  # None: auto
@@ -163,7 +169,7 @@ class Session:
         self.ids = ContentIds()  # content ids of resident tensors, shared by all workers
         self._trainers: dict[int, Trainer] = {}  # by id(connection), made when first needed
         options = dict(connect_timeout=connect_timeout, timeout=timeout, tls_ca=tls_ca or env.tls_ca,
-                       spin_s=self._spin_s, retry_after=retry_after)
+                       spin_s=self._spin_s, retry_after=retry_after, limits=queue, blocking=self.blocking)
         first = [transport]
 
         def make(u: str | None) -> Connection:
@@ -187,20 +193,27 @@ class Session:
 
         ``fetch`` (default: the session's ``fetch_on_close``) first brings
         here what Python still holds of the workers' values (see the class
-        docstring); closing twice does nothing.
+        docstring); closing twice does nothing. A failure of a request whose
+        result nobody read is raised after everything is closed.
         """
         fetch = self.fetch_on_close if fetch is None else fetch
         with self._lock:
             if self._closed:
                 return
+        failure = None
         for conn in self.pool.opened:
-            conn.close(fetch=fetch)
+            try:
+                conn.close(fetch=fetch)
+            except errors.RemoteError as exc:  # a failure nobody read: raised once all is closed
+                failure = failure or exc
         with self._lock:
             self._closed = True
             self.pool.close()
             if self._embedded is not None:
                 self._embedded.stop()
                 self._embedded = None
+        if failure is not None:
+            raise failure
 
     @property
     def closed(self) -> bool:
@@ -255,13 +268,26 @@ class Session:
         objects taken from a worker's disk cache instead, ``*_recalled``), bytes,
         values fetched from workers when Python read them, values moved worker to worker."""
         out = dict(remote_calls=0, fallbacks=self._fallbacks, graphs_uploaded=0, tensors_uploaded=0,
-                   graphs_recalled=0, tensors_recalled=0, remote_ms=0.0, values_fetched=0, values_moved=0, bytes_sent=0, bytes_received=0)
+                   graphs_recalled=0, tensors_recalled=0, remote_ms=0.0, values_fetched=0, values_moved=0,
+                   bytes_sent=0, bytes_received=0, blocking_reads=0, queue_waits=0, requests_queued=0)
         for conn in self.pool.opened:
-            for key, value in conn.stats.as_dict().items():
+            for key, value in (*conn.stats.as_dict().items(), *conn.link.stream.counters().items()):
                 out[key] += value
             out["bytes_sent"] += conn.bytes_sent
             out["bytes_received"] += conn.bytes_received
         return out
+
+    def synchronize(self) -> None:
+        """Wait until every worker answered everything sent to it; raise a failure nobody read yet.
+
+        Like ``torch.cuda.synchronize()``: for timing, and to hear of
+        failures of requests whose results were never read (they are raised
+        here, or at :meth:`close`, never dropped). The session goes on working
+        after the error is raised.
+        """
+        for conn in self.pool.opened:
+            if not conn.closed:
+                conn.link.sync()
 
     def health(self) -> dict:
         """Ask the first worker who it is: name, device, torch version, engines."""
@@ -344,27 +370,28 @@ class Session:
     # -------------------------------------------------- the runner captured graphs call
     def run_graph(self, graph: Graph, args: Sequence) -> list:
         """Run a captured graph on its worker (the first unless it names one); uploads what that
-        worker lacks first; outputs Python has not read stay there."""
+        worker lacks first; outputs Python has not read stay there.
+
+        Once the graph ran there (waited for: upload, compile, refusals), a
+        call is sent without waiting and its outputs stand here at once
+        (:mod:`remotorch.client.launch`); only a read of one waits.
+        """
         conn = self.connection_for(graph.worker)
         training = self._trainers.get(id(conn))
         if graph.kind != "inference" or (training is not None and training.bound):
             return self.trainer(conn).run(graph, args)
         policy = conn.policies.of(graph)
-        keep = policy.keep(graph) if self.keep_outputs else ()
-        if not keep:
-            reply, frames = conn.run(graph, args)
-            return conn.unpack(graph, reply.outputs, frames)
-        signature = _signature(args) if self.async_calls else None
-        layout = policy.layouts.get(signature) if signature is not None else None
-        if layout is not None and conn.can_launch:
-            outs = values.launch(conn, graph, args, keep, layout)
+        keep = policy.keep(graph) if self.keep_outputs else []
+        layout = launchable(graph, policy, args)
+        if layout is not None:
+            keep = [i for i in keep if nbytes(layout[i]) >= self.keep_min_bytes]
+            outs = launch(conn, graph, args, Plan(conn, graph, layout, keep), fields={})
         else:
             fields = dict(keep=keep, handle_base=conn.handles.reserve(len(keep)),
-                          keep_min_bytes=0 if signature is not None else self.keep_min_bytes)
+                          keep_min_bytes=self.keep_min_bytes) if keep else None
             reply, frames = conn.run(graph, args, fields=fields)
-            if signature is not None and all(isinstance(o, (m.KeptArg, m.ScalarArg)) for o in reply.outputs):
-                policy.layouts[signature] = reply.outputs  # the next call like this may launch without waiting
             outs = conn.unpack(graph, reply.outputs, frames)
+            policy.ran = True
         if getattr(graph, "fallback", "raise") == "local":
             recompute_locally(graph, args, outs)  # kept values are remade here if their worker is lost
         return outs
@@ -400,11 +427,6 @@ def _names(value: str | Sequence[str] | None) -> tuple[str, ...]:
     """``"a,b"`` or ``["a", "b"]`` as a tuple of names."""
     parts = value.split(",") if isinstance(value, str) else list(value or ())
     return tuple(p.strip() for p in parts if p.strip())
-
-
-def _signature(args: Sequence) -> tuple:
-    """What an output layout depends on: each argument's sizes and dtype, or its value."""
-    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 _default: Session | None = None

@@ -3,9 +3,8 @@
 * :func:`value_arg`: a placeholder as an argument of a request to its own
   worker (its handle, or a view of it), or to another worker (the copy
   :func:`import_values` moved there first, worker to worker under a ticket).
-* :func:`unpack`: a reply's outputs, kept ones as placeholders;
-  :func:`launch`: a run sent without waiting, its placeholders made at once
-  from the layout an earlier call of the same shapes answered.
+* :func:`unpack`: a reply's outputs, kept ones as placeholders (a run sent
+  without waiting makes its placeholders itself: :mod:`remotorch.client.launch`).
 * :func:`fetch_many`: tensors of handles, in one ``Fetch``.
 * :func:`fetch_held`: before a session ends, every value Python still holds
   is fetched, so none becomes unreadable.
@@ -29,8 +28,7 @@ from .. import errors
 from ..codec import messages as m
 from ..codec.frames import FrameReader, FrameWriter
 from ..codec.tensors import dtype_name
-from .link import Launched
-from .remote import RemoteTensor, Tensor, arg_of, fill, placeholder, plain, remote_ref
+from .remote import REMOTE, RemoteTensor, Tensor, arg_of, fill, placeholder, plain, remote_ref
 from .graph import Graph
 
 log = logging.getLogger(__name__)
@@ -76,7 +74,7 @@ def import_values(conn: Connection, args: Sequence) -> None:
     after the other, never together.
     """
     for t in args:
-        if type(t) is not RemoteTensor:
+        if type(t) not in REMOTE:
             continue
         ref = remote_ref(t)
         if ref is None or ref.conn is conn or (id(conn), _view_key(t)) in ref.copies:
@@ -129,44 +127,6 @@ def unpack_outputs(graph: Graph, outputs: list, frames: list) -> list:
         raise errors.ProtocolError("worker returned the wrong number of outputs")
     reader = FrameReader(frames)
     return [reader.value(arg, device) for arg, device in zip(outputs, graph.output_devices)]
-
-
-def launch(conn: Connection, graph: Graph, args: Sequence, keep: list[int], layout: list) -> list:
-    """Run a graph without waiting: placeholders now (from ``layout``), checked when the reply comes."""
-    base = conn.handles.reserve(len(keep))
-    ids = {i: base + j for j, i in enumerate(keep)}
-    made: dict[int, tuple] = {}  # output index -> (placeholder ref, the KeptArg expected)
-
-    def on_reply(reply, frames) -> None:
-        if len(reply.outputs) != len(layout):
-            raise errors.ProtocolError("worker answered a launched run with the wrong number of outputs")
-        reader = FrameReader(frames)
-        for i, arg in enumerate(reply.outputs):
-            if i not in made:
-                continue
-            ph, kept = made[i][0](), made[i][1]
-            if isinstance(arg, m.TensorArg):  # sent back after all (over the quota): here it is
-                if ph is not None and ph.__dict__.get("_rt_ref") is not None:
-                    fill(ph, reader.value(arg))
-            elif not isinstance(arg, m.KeptArg) or (arg.id, arg.shape, arg.strides) != \
-                    (kept.id, kept.shape, kept.strides):
-                raise errors.ProtocolError(f"graph {graph.graph_id[:12]}: an output's layout changed")
-            elif ph is not None and ph.__dict__.get("_rt_ref") is not None:
-                ph._rt_ref.launched = None  # made: reads need not wait for anything
-
-    launched = Launched(f"graph {graph.graph_id[:12]}", on_reply)
-    outs = []
-    for i, (arg, device) in enumerate(zip(layout, graph.output_devices)):
-        if isinstance(arg, m.KeptArg):
-            kept = m.KeptArg(ids[i], arg.dtype, arg.shape, arg.strides)
-            conn.handles.seen(kept.id)
-            ph = placeholder(conn, kept, device, conn.policies.of(graph), i, launched)
-            made[i] = (weakref.ref(ph), kept)
-            outs.append(ph)
-        else:
-            outs.append(arg.value)
-    conn.run(graph, args, fields=dict(keep=keep, handle_base=base), launched=launched)
-    return outs
 
 
 def _view_key(t: RemoteTensor):

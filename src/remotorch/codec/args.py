@@ -61,6 +61,15 @@ class ViewArg(msgspec.Struct, frozen=True, tag="v", array_like=True):
     offset: int
 
 
+class ZerosArg(msgspec.Struct, frozen=True, tag="z", array_like=True):
+    """A tensor of zeros, by its layout alone: the gradient autograd makes up for an output that
+    got none (a backward's tangent), which need not travel as bytes."""
+
+    dtype: str
+    shape: list[int]
+    strides: list[int]
+
+
 class KeptArg(msgspec.Struct, frozen=True, tag="k", array_like=True):
     """An output the worker kept as handle ``id`` (instead of sending it), with its layout."""
 
@@ -70,6 +79,14 @@ class KeptArg(msgspec.Struct, frozen=True, tag="k", array_like=True):
     strides: list[int]
 
 
+class EchoArg(msgspec.Struct, frozen=True, tag="e", array_like=True):
+    """An output the worker kept as handle ``id`` and also sent inline (``meta``: its frame): the
+    client reads it from the reply, and may name it by handle before the reply has come."""
+
+    id: int
+    meta: TensorMeta
+
+
 Arg = Union[TensorArg, RefArg, ScalarArg]
-RunArg = Union[TensorArg, RefArg, ScalarArg, HandleArg, SlotArg, ViewArg]
-OutputArg = Union[TensorArg, ScalarArg, HandleArg, KeptArg]
+RunArg = Union[TensorArg, RefArg, ScalarArg, HandleArg, SlotArg, ViewArg, ZerosArg]
+OutputArg = Union[TensorArg, ScalarArg, HandleArg, KeptArg, EchoArg]

@@ -14,8 +14,8 @@ from typing import Union
 
 import msgspec
 
-from .args import (Arg, HandleArg, KeptArg, OutputArg, RefArg, RunArg, ScalarArg, SlotArg, TensorArg,
-                   TensorMeta, ViewArg)
+from .args import (Arg, EchoArg, HandleArg, KeptArg, OutputArg, RefArg, RunArg, ScalarArg, SlotArg,
+                   TensorArg, TensorMeta, ViewArg, ZerosArg)
 from .cache import Challenge, ChallengeReply, Have, HaveReply
 from .groups import BroadcastSlots, JoinGroup, LeaveGroup, OpenStore, ReduceGrads, StoreReply
 from .training import (AccumulateGrads, BindSlots, ClipGradNorm, Hyper, NormReply, OptimCreate,
@@ -23,7 +23,7 @@ from .training import (AccumulateGrads, BindSlots, ClipGradNorm, Hyper, NormRepl
                        PullSlots)
 from .values import Deliver, ExpectHandles, Fetch, FetchReply, SendHandles, TicketReply
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_BINDINGS = 4096  # argument bindings a session may hold on a worker (Run.bind, §8.1)
 
 
@@ -94,6 +94,12 @@ class Run(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
     ``RefArg`` arguments as binding ``bind`` of the session, for this graph;
     ``bound`` names such a binding: ``args`` then holds only the arguments
     at the positions it does not cover, in order (protocol.md §8.1).
+
+    ``strides`` (one list per ``keep`` entry, or none): the strides the client
+    promised for each kept output, having sent this run without waiting for
+    its reply; the worker keeps each output with exactly those strides.
+    ``echo``: kept outputs that are also sent back inline (``EchoArg``): the
+    client reads them from the reply, and may name them by handle meanwhile.
     """
 
     graph_id: str
@@ -108,6 +114,8 @@ class Run(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
     send: list[SendOutputs] = []
     bind: int = 0
     bound: int = 0
+    strides: list[list[int]] = []
+    echo: list[int] = []
 
 
 class Echo(msgspec.Struct, frozen=True, tag="echo", omit_defaults=True):
@@ -225,20 +233,28 @@ Reply = Union[HealthReply, Ok, RunReply, EchoReply, ErrorReply, AttachReply, Pro
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """Frame 0 of every message: protocol version, one request or reply, and (requests only)
-    the session's deferred housekeeping, applied before the request."""
+    the session's deferred housekeeping, applied before the request.
+
+    ``seq`` numbers a session's requests 1, 2, 3… (0: a request outside the
+    stream: attach, heartbeat, detach); the worker runs each number once and
+    answers one sent again (after a reconnect) from its memory. ``ack``: the
+    client has read the replies up to this number (the worker forgets them).
+    """
 
     v: int
     body: Union[Request, Reply]
     pending: Union[Pending, None] = None
+    seq: int = 0
+    ack: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Envelope)
 
 
-def encode(body: Request | Reply, pending: Pending | None = None) -> bytes:
-    """Serialize a message body (and a request's housekeeping) into frame 0."""
-    return _encoder.encode(Envelope(PROTOCOL_VERSION, body, pending))
+def encode(body: Request | Reply, pending: Pending | None = None, seq: int = 0, ack: int = 0) -> bytes:
+    """Serialize a message body (and a request's housekeeping and place in its stream) into frame 0."""
+    return _encoder.encode(Envelope(PROTOCOL_VERSION, body, pending, seq, ack))
 
 
 def decode_envelope(frame0: bytes | memoryview) -> Envelope:

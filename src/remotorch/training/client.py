@@ -28,10 +28,14 @@ import torch
 from .. import errors
 from ..client.connection import Connection, Graph
 from ..client.ids import stamp
-from ..client.remote import RemoteTensor, placeholder
+from ..client import origin
+from ..client.launch import Plan, launch, launchable, nbytes
+from ..client.remote import REMOTE, RemoteGrad, placeholder
+from ..client.stream import Launched
 from ..client.session import Session
 from ..codec import messages as m
 from ..codec.frames import FrameReader, FrameWriter
+from ..codec.tensors import dtype_name
 from .handles import ForwardCall, call_of, handle_of
 from .handles import placeholder as activation
 from .params import ParamSlots, Slot, owner_of, waiting_optimizers
@@ -99,8 +103,17 @@ class TrainingClient:
         return dict(slots=slots, optims=optims, zero_grad=zero)
 
     def request(self, body, frames: Sequence = (), expect: type | None = None):
-        """Send a training request (deferred housekeeping rides on it)."""
+        """Send a training request and wait for its reply (deferred housekeeping rides on it)."""
         return self.connection.request(body, frames, expect=expect)
+
+    def post(self, body, frames: Sequence = (), *, what: str = "", step: bool = False,
+             on_reply=None, expect: type | None = m.Ok) -> Launched:
+        """Send a training request without waiting: an effect (slots bound, gradients added, an
+        optimizer step); a failure is raised at the next read on this worker (see
+        :mod:`remotorch.client.stream`)."""
+        launched = Launched(what or type(body).__name__, on_reply, expect, effect=on_reply is None,
+                            step=step, origin=origin.here())
+        return self.connection.link.launch(body, frames, launched)
 
     def flush(self) -> None:
         """Send deferred housekeeping now (normally it waits for the next request)."""
@@ -134,7 +147,8 @@ class TrainingClient:
             tid = conn.held(t)
             values.append(m.RefArg(tid) if tid is not None else w.tensor(t))
         stamps = [stamp(t) for t, _ in todo]
-        self.request(m.BindSlots([slot.sid for _, slot in todo], values), w.frames, expect=m.Ok)
+        self.post(m.BindSlots([slot.sid for _, slot in todo], values), w.frames,
+                  what=f"binding {len(todo)} parameter(s) to their values")
         for tid in lent:  # each slot took its own copy
             conn.release(tid)
         for (_, slot), now in zip(todo, stamps):
@@ -159,23 +173,38 @@ class TrainingClient:
         self.bind_stale(todo)
         w = FrameWriter()
         metas = [w.meta(p.grad) for p in todo]
-        self.request(m.AccumulateGrads([self.slots.lookup(p).sid for p in todo], metas), w.frames, expect=m.Ok)
+        self.post(m.AccumulateGrads([self.slots.lookup(p).sid for p in todo], metas), w.frames,
+                  what=f"adding {len(todo)} local gradient(s)")
         for p in todo:
             p.grad = None
         return todo
 
     # ---------------------------------------------------------------------- run
     def run(self, graph: Graph, args: Sequence) -> list:
-        """Run a graph with state kept on the worker; saved outputs of a forward come back as placeholders."""
-        calls: list[ForwardCall] = []
+        """Run a graph with state kept on the worker; saved outputs of a forward come back as placeholders.
+
+        Once the graph ran on this worker, a call is sent without waiting
+        (:mod:`remotorch.client.launch`): the saved activations, the outputs
+        kept there and the gradients left there stand here at once.
+        """
+        conn = self.connection
+        call = ForwardCall(len(args), backward_of=next((call_of(a) for a in args if handle_of(a) is not None), None))
 
         def placed(graph: Graph, args: Sequence) -> list:
-            call = ForwardCall(len(args))
-            calls.append(call)
             return self._place(graph, args, call)
 
-        reply, frames = self.connection.run(graph, args, placed=placed, fields=lambda: self._fields(graph, calls[-1]))
-        return self._unpack(graph, reply, frames, calls[-1])
+        policy = conn.policies.of(graph)
+        layout = launchable(graph, policy, args)
+        if layout is None:
+            reply, frames = conn.run(graph, args, placed=placed, fields=lambda: self._fields(graph, call))
+            policy.ran = True
+            return self._unpack(graph, reply, frames, call)
+        grads = self._grads(graph, call)
+        keep = [i for i in self._keep(graph) if nbytes(layout[i]) >= self.keep_min_bytes]
+        plan = Plan(conn, graph, layout, keep, saved=lambda hid: activation(self.handles, hid, call),
+                    grads=[i for i, _ in grads])
+        saved_from = graph.saved_from if graph.saved_from is not None else -1
+        return launch(conn, graph, args, plan, fields=dict(saved_from=saved_from, grads=grads), placed=placed)
 
     def _place(self, graph: Graph, args: Sequence, call: ForwardCall) -> list:
         """The arguments this client places: saved activations by handle, trainable parameters by
@@ -190,9 +219,7 @@ class TrainingClient:
             hid = handle_of(a)
             if hid is not None:
                 run_args[i] = m.HandleArg(hid)
-                if call.backward_of is None:
-                    call.backward_of = call_of(a)
-            elif type(a) is RemoteTensor:
+            elif type(a) in REMOTE:
                 continue
             elif i in refs:
                 run_args[i] = m.RefArg(refs[i])
@@ -202,6 +229,9 @@ class TrainingClient:
                     call.slots[i] = slot.sid
                     call.params[i] = a
                 run_args[i] = m.SlotArg(slot.sid)
+            elif graph.kind == "backward" and isinstance(a, torch.Tensor) and all_zero(a):
+                # autograd's made-up gradient for an output that got none: its layout is enough
+                run_args[i] = m.ZerosArg(dtype_name(a.dtype), list(a.shape), list(a.stride()))
         return run_args
 
     def _fields(self, graph: Graph, call: ForwardCall) -> dict:
@@ -210,14 +240,28 @@ class TrainingClient:
         if graph.saved_from is not None:
             saved_from = graph.saved_from
             n_saved = sum(d is not None for d in graph.output_devices[saved_from:])
-        keep = self.connection.policies.of(graph).keep(graph) if graph.kind == "forward" and self.keep_outputs else []
+        grads = self._grads(graph, call)
+        into_slots = {i for i, _ in grads}
+        keep = [i for i in self._keep(graph) if i not in into_slots]
         base = self.handles.reserve(n_saved + len(keep)) if n_saved or keep else 0
-        grads, backward_of = [], call.backward_of
-        if backward_of is not None and backward_of.n_inputs == len(graph.output_devices):
-            grads = [[i, sid] for i, sid in backward_of.slots.items()
-                     if accumulated_by_this_backward(backward_of.params[i])]
         return dict(saved_from=saved_from, handle_base=base, grads=grads, keep=keep,
                     keep_min_bytes=self.keep_min_bytes)
+
+    def _keep(self, graph: Graph) -> list[int]:
+        """Outputs that stay on the worker until read: a forward's and (launched) a backward's that
+        Python has not read before."""
+        if not self.keep_outputs or graph.kind not in ("forward", "backward"):
+            return []
+        return self.connection.policies.of(graph).keep(graph)
+
+    def _grads(self, graph: Graph, call: ForwardCall) -> list[list[int]]:
+        """``[output index, slot id]``: the gradients a backward leaves in parameter slots (those an
+        optimizer on the worker manages, when this backward pass accumulates them)."""
+        backward_of = call.backward_of
+        if backward_of is None or backward_of.n_inputs != len(graph.output_devices):
+            return []
+        return [[i, sid] for i, sid in backward_of.slots.items()
+                if accumulated_by_this_backward(backward_of.params[i])]
 
     def _content_ids(self, tensors: list) -> list[str]:
         """Content ids for resident tensors that do not train (buffers, frozen weights).
@@ -251,7 +295,8 @@ class TrainingClient:
                 outs.append(activation(self.handles, arg.id, call))
             elif isinstance(arg, m.KeptArg):  # a value that stays on the worker until read
                 self.handles.seen(arg.id)
-                outs.append(placeholder(self.connection, arg, device, self.connection.policies.of(graph), i))
+                outs.append(placeholder(self.connection, arg, device, self.connection.policies.of(graph), i,
+                                        cls=RemoteGrad if graph.kind == "backward" else None))
             else:
                 outs.append(reader.value(arg, device))
         return outs
@@ -313,6 +358,20 @@ class TrainingClient:
                 if slot.optims:  # other gradients live in p.grad already
                     t.grad = None if meta is None else reader.tensor(meta).clone().to(t.device)
         return len(pairs)
+
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def all_zero(t: torch.Tensor) -> bool:
+    """Every bit of ``t`` is zero (so -0.0 is not): it may travel as its layout alone."""
+    if t.is_complex() or t.is_sparse or t.device.type == "meta" or t.numel() == 0:
+        return False
+    bits = _SAME_WIDTH_INT.get(t.element_size())
+    if bits is None:
+        return False
+    with torch.no_grad():
+        return not bool(t.detach().view(bits).any())
 
 
 def accumulated_by_this_backward(t: torch.Tensor) -> bool:

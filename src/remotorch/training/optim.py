@@ -17,6 +17,9 @@ from collections.abc import Callable
 
 import torch
 
+from ..client import origin
+from ..client.remote import fill, placeholder
+from ..client.stream import Launched
 from ..client.session import default_session
 from ..codec import messages as m
 from ..codec.frames import SCALARS, FrameReader, FrameWriter
@@ -95,8 +98,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 client.bind_stale(params)
                 oid = client.new_optim_id()
                 groups = [[client.slots.lookup(p) for p in g["params"]] for g in self.param_groups]
-                client.request(m.OptimCreate(oid, self.optimizer_class.__name__,
-                                             [[slot.sid for slot in g] for g in groups], self._sent))
+                client.post(m.OptimCreate(oid, self.optimizer_class.__name__,
+                                          [[slot.sid for slot in g] for g in groups], self._sent),
+                            what=f"creating {self.optimizer_class.__name__} on the worker")
             except BaseException:
                 self._client = None
                 raise
@@ -157,7 +161,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             changed.pop()
         with client.connection.lock:
             used_locally = self._prepare(client)
-            client.request(m.OptimStep(self._id, changed))
+            client.post(m.OptimStep(self._id, changed), what=f"{self.optimizer_class.__name__}.step()", step=True)
             for p in self._params():
                 slot = client.slots.lookup(p)
                 if slot is not None:
@@ -187,7 +191,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             if set_to_none:
                 client.defer_zero_grad(self._id)
             else:
-                client.request(m.OptimZeroGrad(self._id, False))
+                client.post(m.OptimZeroGrad(self._id, False), what=f"{self.optimizer_class.__name__}.zero_grad()")
 
     def state_dict(self) -> dict:
         """PyTorch's optimizer ``state_dict()``, with the per-parameter state fetched from the worker."""
@@ -242,23 +246,31 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 entries.append((index[id(p)], key, w.value(value)))
         client = self._client
         with client.connection.lock:
-            client.request(m.OptimSetState(self._id, entries), w.frames)
+            client.post(m.OptimSetState(self._id, entries), w.frames, what="loading optimizer state")
         self.state.clear()  # the state lives on the worker
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over this optimizer's parameters, on the worker.
 
-        Returns the total norm of the gradients before clipping, as a 0-d tensor.
+        Returns the total norm of the gradients before clipping, as a 0-d tensor
+        that stands here at once: nothing waits for the worker unless it is read.
         """
         client = self._bound()
-        with client.connection.lock:
+        conn = client.connection
+        with conn.lock:
             self._prepare(client)
-            reply, _ = client.request(m.ClipGradNorm(self._id, float(max_norm), float(norm_type),
-                                                     bool(error_if_nonfinite)))
-        if not isinstance(reply, m.NormReply):
-            raise ProtocolError("worker answered clip_grad_norm_ with the wrong reply")
-        return torch.tensor(reply.norm)
+            made = []
+
+            def take(reply, _frames) -> None:
+                if made and "_rt_ref" in made[0].__dict__:
+                    fill(made[0], torch.tensor(reply.norm))
+
+            launched = Launched("clip_grad_norm_", take, m.NormReply, origin=origin.here())
+            made.append(placeholder(conn, m.KeptArg(0, "float32", [], []), None, launched=launched))
+            conn.link.launch(m.ClipGradNorm(self._id, float(max_norm), float(norm_type), bool(error_if_nonfinite)),
+                             (), launched)
+        return made[0]
 
     def __repr__(self) -> str:
         return f"RemoteOptimizer({self.optimizer_class.__name__}, groups={len(self.param_groups)})"

@@ -44,18 +44,25 @@ class Transport(abc.ABC):
     def connected(self) -> bool:
         """True while a connection is open (no I/O)."""
 
-    def post(self, header: bytes, frames: Sequence[Buffer] = ()) -> None:
+    @abc.abstractmethod
+    def post(self, header: bytes, frames: Sequence[Buffer] = (), *,
+             progress: Callable[[int], None] | None = None) -> None:
         """Send one message without waiting; its reply is :meth:`collect`'s, in the order posted.
 
-        Optional: a transport that cannot pipeline raises ``NotImplementedError``
-        (the caller then waits for each reply). While replies are outstanding,
-        :meth:`request` is refused.
+        While replies are outstanding, :meth:`request` is refused. ``progress``
+        as for :meth:`request`.
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def collect(self) -> tuple[bytes, list]:
         """The reply to the oldest posted message not collected yet (blocks until it arrives)."""
-        raise NotImplementedError
+
+    def ready(self) -> tuple[bytes, list] | None:
+        """The reply to the oldest posted message if it is here whole already, else None (never waits)."""
+        return None
+
+    def connect(self) -> None:
+        """Open a connection now if none is open (``on_connect`` runs on it)."""
 
     def set_timeout(self, seconds: float | None) -> None:
         """Change how long a reply may take (None: forever)."""

@@ -150,8 +150,12 @@ class TcpTransport(Transport):
                   progress: Callable[[int], None] | None = None) -> tuple:
         """One message and its reply on ``channel``; socket errors are the caller's to map."""
         self.bytes_sent += channel.send(header, frames, progress)
+        return self._receive(channel)
+
+    def _receive(self, channel: FramedChannel) -> tuple:
+        """The next reply on ``channel``, busy-polled for first while the spin policy says so."""
         spin = self.spin
-        sent = time.perf_counter()
+        started = time.perf_counter()
         window = spin.budget()
         got = None
         if window and channel.compiled:  # poll for the reply itself: one call per turn, none after
@@ -159,7 +163,7 @@ class TcpTransport(Transport):
         elif window:
             poll_until(_readable(channel), window)
         reply, out, nbytes = got if got is not None else channel.recv()
-        spin.waited(time.perf_counter() - sent)
+        spin.waited(time.perf_counter() - started)
         self.bytes_received += nbytes
         return reply, out
 
@@ -194,20 +198,38 @@ class TcpTransport(Transport):
                 self._drop()
                 raise _mapped(exc, self.url, self.timeout) from exc
 
-    def post(self, header: bytes, frames: Sequence[Buffer] = ()) -> None:
+    def connect(self) -> None:
+        with self._lock:
+            if self._channel is None:
+                self._channel = self._connect()
+
+    def post(self, header: bytes, frames: Sequence[Buffer] = (), *,
+             progress: Callable[[int], None] | None = None) -> None:
         with self._lock:
             if self._channel is None:
                 self._channel = self._connect()
             with _mapped_errors(self.url, self.timeout, self._drop):
-                self.bytes_sent += self._channel.send(header, frames)
+                self.bytes_sent += self._channel.send(header, frames, progress)
             self.outstanding += 1
 
     def collect(self) -> tuple[bytes, list]:
         with self._lock:
             if not self.outstanding or self._channel is None:
-                raise ProtocolError("no reply is outstanding on this connection")
+                raise WorkerUnavailableError(f"lost the connection to {self.url} with replies outstanding")
             with _mapped_errors(self.url, self.timeout, self._drop):
-                reply, out, nbytes = self._channel.recv()
+                reply, out = self._receive(self._channel)
+            self.outstanding -= 1
+            return reply, out
+
+    def ready(self) -> tuple[bytes, list] | None:
+        with self._lock:
+            if not self.outstanding or self._channel is None:
+                return None
+            with _mapped_errors(self.url, self.timeout, self._drop):
+                got = self._channel.poll()
+            if got is None:
+                return None
+            reply, out, nbytes = got
             self.outstanding -= 1
             self.bytes_received += nbytes
             return reply, out

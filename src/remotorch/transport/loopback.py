@@ -66,7 +66,7 @@ class LoopbackTransport(Transport):
         self.bytes_received += message_size(reply, out)
         return bytes(reply), _copied(out)
 
-    def request(self, header: bytes, frames: Sequence[Buffer] = (), *, progress=None) -> tuple[bytes, list]:
+    def connect(self) -> None:
         if not self._open:
             if self.down:
                 raise WorkerUnavailableError("loopback worker is down")
@@ -74,10 +74,16 @@ class LoopbackTransport(Transport):
             self._open = True
             if self.on_connect is not None:
                 self.on_connect(lambda h: self._exchange(h)[0])
+
+    def request(self, header: bytes, frames: Sequence[Buffer] = (), *, progress=None) -> tuple[bytes, list]:
+        if self._posted:
+            raise ProtocolError("replies to posted messages must be collected first")
+        self.connect()
         return self._exchange(header, frames)
 
-    def post(self, header: bytes, frames: Sequence[Buffer] = ()) -> None:
-        self._posted.append(self.request(header, frames))  # handled at once; the reply waits here
+    def post(self, header: bytes, frames: Sequence[Buffer] = (), *, progress=None) -> None:
+        self.connect()
+        self._posted.append(self._exchange(header, frames))  # handled at once; the reply waits here
         self.outstanding += 1
 
     def collect(self) -> tuple[bytes, list]:
@@ -85,6 +91,9 @@ class LoopbackTransport(Transport):
             raise ProtocolError("no reply is outstanding on this connection")
         self.outstanding -= 1
         return self._posted.popleft()
+
+    def ready(self) -> tuple[bytes, list] | None:
+        return self.collect() if self._posted else None
 
     def close(self) -> None:
         self._posted.clear()

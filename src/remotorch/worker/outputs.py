@@ -4,7 +4,8 @@ An output is, in this order of precedence:
 
 * **saved** for a backward (index >= ``saved_from``): a handle, answered ``HandleArg``;
 * **kept** until Python reads it (in ``keep``, within the session's quota and
-  ``keep_min_bytes``): a handle, answered ``KeptArg`` with its layout;
+  ``keep_min_bytes``): a handle, answered ``KeptArg`` with its layout, or, in
+  ``echo``, ``EchoArg``: kept and sent back inline too;
 * **sent** to another worker under a ticket: answered as a nil scalar;
 * **accumulated** into a parameter slot's gradient (``grads``): answered as a nil scalar;
 * else sent back inline (the caller encodes it).
@@ -22,8 +23,8 @@ from typing import Protocol
 import torch
 
 from ..codec import messages as m
-from ..codec.tensors import dtype_name
-from ..errors import InvalidRequestError
+from ..codec.tensors import dtype_from_name, dtype_name
+from ..errors import InvalidRequestError, LimitExceededError
 from .handles import HandleStore
 from .training import Trainables
 
@@ -49,16 +50,26 @@ class OutputPlan:
     keep_min_bytes: int = 0
     grads: tuple = ()  # ([output index, slot id], ...)
     send: tuple = ()  # (m.SendOutputs, ...)
+    strides: tuple = ()  # the strides promised for each kept output (a run sent without waiting)
+    echo: frozenset = frozenset()  # kept outputs also sent back inline
 
     @classmethod
     def of(cls, req: m.Run) -> OutputPlan:
         return cls(req.saved_from, req.handle_base, tuple(req.keep), req.keep_min_bytes,
-                   tuple(req.grads), tuple(req.send))
+                   tuple(req.grads), tuple(req.send), tuple(req.strides), frozenset(req.echo))
 
     @property
     def inline(self) -> bool:
         """Every output goes back inline (the common inference call, with nothing kept)."""
         return self.saved_from < 0 and not (self.keep or self.grads or self.send)
+
+
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """An output kept as handle ``id`` that also goes back inline (encoded as ``EchoArg``)."""
+
+    id: int
+    tensor: torch.Tensor
 
 
 def grad_slots(worker: Stores, session: object, pairs) -> dict[int, int]:
@@ -89,7 +100,9 @@ def dispose(worker: Stores, session: object, plan: OutputPlan, outs: list, input
         if i in saved_ids:
             result.append(m.HandleArg(saved_ids[i]))
         elif i in kept:
-            result.append(m.KeptArg(kept[i], dtype_name(o.dtype), list(o.shape), list(o.stride())))
+            hid, o = kept[i]
+            result.append(Echo(hid, o) if i in plan.echo else
+                          m.KeptArg(hid, dtype_name(o.dtype), list(o.shape), list(o.stride())))
         elif i in sent:
             result.append(_NIL)
         elif i in grads and isinstance(o, torch.Tensor):
@@ -103,17 +116,23 @@ def dispose(worker: Stores, session: object, plan: OutputPlan, outs: list, input
 
 
 def _keep(worker: Stores, session: object, plan: OutputPlan, outs: list, base: int,
-          saved: dict) -> dict[int, int]:
-    """Output index -> handle id of the outputs kept here (``keep`` order, ids from ``base``)."""
+          saved: dict) -> dict[int, tuple[int, torch.Tensor]]:
+    """Output index -> (handle id, tensor kept) of the outputs kept here (``keep`` order, ids from ``base``)."""
     keep = plan.keep
     if len(set(keep)) != len(keep) or not all(type(i) is int and 0 <= i < len(outs) for i in keep):
         raise InvalidRequestError("keep must list distinct output indices")
+    if plan.strides and len(plan.strides) != len(keep):
+        raise InvalidRequestError("strides must give one list per kept output")
+    if not plan.echo <= set(keep):
+        raise InvalidRequestError("echo must list kept outputs only")
     ids, tensors = [], []
     room = 0
     for j, i in enumerate(keep):
         o = outs[i]
         if i in saved or not isinstance(o, torch.Tensor):
             continue
+        if plan.strides:
+            o = restrided(o, plan.strides[j])
         size = o.numel() * o.element_size()
         if size < plan.keep_min_bytes or not worker.may_keep(session, room + size):
             continue  # over the quota: it travels back instead
@@ -121,7 +140,48 @@ def _keep(worker: Stores, session: object, plan: OutputPlan, outs: list, base: i
         ids.append((i, base + j))
         tensors.append(o)
     worker.handles.put(session, [h for _, h in ids], tensors)
-    return dict(ids)
+    return {i: (h, t) for (i, h), t in zip(ids, tensors)}
+
+
+def _check_layout(shape, strides, what: str) -> int:
+    """Elements a tensor of this layout spans (raising for layouts that are not dense: each element
+    addressed once, in no more memory than it holds)."""
+    if len(strides) != len(shape) or not all(type(n) is int and n >= 0 for n in (*shape, *strides)):
+        raise InvalidRequestError(f"strides {list(strides)} do not fit {what} of shape {list(shape)}")
+    numel = 1
+    for n in shape:
+        numel *= n
+    extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides) if n > 0)
+    if numel and extent > numel:
+        raise InvalidRequestError(f"strides {list(strides)} spread {what} of shape {list(shape)} "
+                                  "over more memory than it holds")
+    return numel
+
+
+def zeros(arg: m.ZerosArg, device: torch.device, max_bytes: int) -> torch.Tensor:
+    """The tensor of zeros a ``ZerosArg`` names (dense layouts only, within the tensor size limit)."""
+    dtype = dtype_from_name(arg.dtype)
+    numel = _check_layout(arg.shape, arg.strides, "a tensor of zeros")
+    if numel * dtype.itemsize > max_bytes:
+        raise LimitExceededError(f"a tensor of zeros of {numel * dtype.itemsize} bytes is over the worker's "
+                                 f"limit of {max_bytes}")
+    return torch.zeros(arg.shape, dtype=dtype, device=device).as_strided(arg.shape, arg.strides) \
+        if numel else torch.empty_strided(arg.shape, arg.strides, dtype=dtype, device=device)
+
+
+def restrided(t: torch.Tensor, strides) -> torch.Tensor:
+    """``t`` with exactly these strides (a copy when it has others): the layout the client promised.
+
+    Only layouts that address each element at most once in no more memory
+    than the tensor needs (dense ones in any order): anything else is refused.
+    """
+    strides = list(strides)
+    if strides == list(t.stride()):
+        return t
+    _check_layout(list(t.shape), strides, "an output")
+    out = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
 
 
 def _send(sends, outs: list, send: Send) -> set[int]:

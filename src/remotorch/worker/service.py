@@ -28,6 +28,8 @@ from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsErr
                       RemoteOutOfMemoryError, WorkerError)
 from ..transport import framing
 from .leases import SESSION_ID, LeaseTable
+from .outputs import Echo
+from .replay import Replays
 from .peers import PeerLinks, Tickets, deliver_proof
 from .worker import Worker
 
@@ -69,12 +71,14 @@ class Service:
         self.peer_timeout_s = 60.0  # a send to another worker: connect and delivery
         self.peer_tls_ca: str | None = None  # CA to check tls:// workers this one sends to
         self._nonce_key = secrets.token_bytes(32)  # each session's possession nonce derives from it (§20)
+        self.replays = Replays(error_reply)  # what each session's stream ran, to run nothing twice
 
     # ------------------------------------------------------------------ sessions
     def disconnected(self, cid: int) -> None:
         """A connection closed: what it held as itself is freed; an attached session waits for its lease."""
         self._connections.discard(cid)
         self.worker.close_session(cid)
+        self.replays.forget(cid)
         self.leases.disconnect(cid)
 
     def reap(self) -> None:
@@ -85,6 +89,7 @@ class Service:
         for lease in gone:
             log.info("session %r: lease expired, freeing what it held", lease)
             self.worker.close_session(lease)
+            self.replays.forget(lease)
 
     def sessions(self) -> int:
         """Worker-side sessions now: attached sessions, and connections that serve as their own."""
@@ -101,6 +106,25 @@ class Service:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise ProtocolError(f"malformed request header: {exc}") from None
             self._check_size(header, frames)
+        except RemoteError as exc:
+            return error_reply(exc), []
+        if env.seq < 0 or env.ack < 0:
+            return error_reply(ProtocolError("sequence numbers are never negative")), []
+        if not env.seq:  # outside the session's stream: attach, heartbeat, detach
+            if env.ack:
+                self.replays.acknowledge(self.leases.key(cid), env.ack)
+            return self._serve(cid, env, frames)
+        session = self.leases.key(cid)
+        self.replays.acknowledge(session, env.ack)
+        reply = self.replays.answered(session, env.seq)  # sent again after a reconnect: it ran already
+        if reply is None:
+            reply = self._serve(cid, env, frames)
+            self.replays.ran(session, env.seq, reply)
+        return reply
+
+    def _serve(self, cid: int, env: m.Envelope, frames: list) -> Reply:
+        """Run one decoded request; its reply (a typed error when it failed)."""
+        try:
             started = time.monotonic()
             self.leases.begin(cid)
             try:
@@ -132,6 +156,7 @@ class Service:
             lease = self.leases.release(cid)
             if lease is not None:
                 self.worker.close_session(lease)
+                self.replays.forget(lease)
             return _ok()
         session = self.leases.key(cid)
         if pending is not None:
@@ -186,7 +211,8 @@ class Service:
         ran = self.worker.run(session, req, frames, self._send)
         w = FrameWriter()
         value = w.value
-        outputs = [o if isinstance(o, _WIRE) else value(o) for o in ran.outputs]
+        outputs = [o if isinstance(o, _WIRE) else m.EchoArg(o.id, w.meta(o.tensor)) if type(o) is Echo else value(o)
+                   for o in ran.outputs]
         return m.encode(m.RunReply(outputs, ran.ms, ran.compiled)), w.frames
 
     def _send(self, url: str, ticket_id: bytes, secret: bytes, tensors: list) -> None:

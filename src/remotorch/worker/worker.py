@@ -40,7 +40,7 @@ from .disk import DiskCache, valid_id
 from .store import SharedStore
 from .timing import MAX_REPEATS, MAX_WARMUPS, TimedRuns, time_runs
 from .handles import HandleStore, count_bytes
-from .outputs import OutputPlan, Send, dispose, grad_slots
+from .outputs import OutputPlan, Send, dispose, grad_slots, zeros
 from .groups import Groups
 from .training import Trainables
 
@@ -368,6 +368,8 @@ class Worker:
                 values.append(self.trainables.slot(session, a.id).detach())
             elif kind is m.ViewArg:
                 values.append(self.handles.view(session, a.id, a.shape, a.strides, a.offset))
+            elif kind is m.ZerosArg:
+                values.append(zeros(a, device, self.limits.max_tensor_bytes))
             else:
                 raise InvalidRequestError(f"{type(a).__name__} is not a graph argument")
         return values

@@ -1,0 +1,348 @@
+"""The ordered stream of requests to one worker: sent without waiting, answered in order.
+
+Across a network the cost that matters is a round trip waited for, not bytes
+or microseconds. So a request is written to the socket when it is issued
+and, unless the caller needs its reply now, not waited for: it is a
+:class:`Launched` call, whose reply is read later, in order (the worker runs
+each session's requests one at a time, in the order sent, and answers them
+in that order). Only a read waits: a value Python reads, a request whose
+answer the caller needs, :meth:`Stream.sync`, or a full queue. Since every
+request is already on its way when the read is issued, a read costs one
+round trip, whatever was issued before it.
+
+Each request carries a sequence number. The worker remembers, for the
+session's lease, the last one it ran and the replies not yet acknowledged
+(the envelope's ``ack``): when the connection drops with requests in flight,
+the stream reconnects, re-attaches and sends them again, and the worker
+answers those it already ran from its memory instead of running them twice.
+An optimizer step is never applied twice. A worker that lost the session
+(it restarted, or the lease ran out) fails every request in flight, naming
+each.
+
+Errors arrive late but exactly. A failed request marks itself failed; a read
+of anything it was to make raises its error, naming what failed and the
+Python line that issued it (:mod:`remotorch.client.origin`); a later request
+that failed only because it used what the failed one was to make raises the
+first one's error (the root). A failure nobody read is raised at the next
+:meth:`Stream.sync` (``session.synchronize()``, ``close()``), and, for
+requests that make no value (an optimizer step, an upload), at the next read
+on the stream. Once raised, an error is not raised again by sync: the
+session goes on working.
+
+The queue is bounded (:class:`QueueLimits`): requests and bytes in flight,
+optimizer steps ahead, and bytes of replies not read yet (so the worker can
+always write its replies and never stops reading while this side writes).
+``blocking=True`` (``REMOTORCH_LAUNCH_BLOCKING=1``) waits for every reply at
+once, as ``CUDA_LAUNCH_BLOCKING`` does.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .. import errors
+from . import origin as origins
+from . import trace
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """How far the client may run ahead of the worker (the queue's bound).
+
+    ``requests`` and ``nbytes``: requests sent and not yet answered, and their
+    bytes (kept for a replay after a dropped connection); ``steps``: optimizer
+    steps (a training loop's iterations) not yet answered; ``reply_bytes``:
+    bytes of expected replies not read yet.
+    """
+
+    requests: int = 256
+    nbytes: int = 256 << 20
+    steps: int = 3
+    reply_bytes: int = 256 << 10
+
+
+@dataclass(eq=False)
+class Launched:
+    """A request sent without waiting for its reply; its reply (or error) is read in order later.
+
+    ``what`` names it in errors ("graph 3f2a9c01d2e4"); ``on_reply(reply,
+    frames)`` runs when its reply is read (an exception it raises fails the
+    call); ``effect``: it makes no value Python can read (an optimizer step, an
+    upload): a failure is raised at the next read on the stream. ``makes``:
+    keys of the objects it creates on the worker (``("h", handle id)``), so a
+    later request that misses one of them fails with this call's error.
+    """
+
+    what: str
+    on_reply: Callable[[object, list], None] | None = None
+    expect: type | None = None
+    on_error: Callable[[errors.RemoteError], None] | None = None
+    effect: bool = False
+    makes: tuple = ()
+    step: bool = False  # an optimizer step: counts against QueueLimits.steps
+    reply_bytes: int = 0  # expected bytes of its reply's frames
+    origin: tuple = ()
+    seq: int = 0
+    done: bool = False
+    error: errors.RemoteError | None = None
+    reported: bool = False
+    reply: object = None
+    frames: list | None = None
+    message: tuple = field(default=(), repr=False)  # (header, frames) as sent, for a replay
+    nbytes: int = 0
+
+    def raise_error(self) -> None:
+        """Raise what the call failed with, naming the call and the line that issued it."""
+        exc = self.error
+        if exc is None:
+            return
+        root = getattr(exc, "launched_root", None) or self
+        self.reported = root.reported = True
+        raise _named(root.error if root.error is not None else exc, root, self) from exc
+
+
+def _named(exc: errors.RemoteError, root: Launched, dependent: Launched) -> errors.RemoteError:
+    """The error as the user sees it: the root failure's type, what failed, the line that issued it,
+    and the worker's text (and, for a request that failed because of it, that one too)."""
+    text = f"{root.what} (issued at {origins.describe(root.origin)}) failed: {exc.message}"
+    if dependent is not root:
+        text = f"{dependent.what} could not run: it depends on {text}"
+    new = copy.copy(exc)  # its type and what it carries (missing objects, ranks…)
+    new.message, new.args = text, (text,)
+    new.launched_root = root
+    return new
+
+
+class Stream:
+    """The requests of one link, in order (see the module docstring).
+
+    ``post(header, frames)`` writes one message; ``collect()`` reads the
+    oldest reply; ``ready()`` reads one if a whole reply is here already
+    (else None); ``reconnect()`` opens a new connection and re-attaches,
+    returning whether the worker still holds the session. ``encode(body,
+    seq)`` makes a request's header; ``parse(header, expect)`` a reply
+    (raising its ``RemoteError``).
+    """
+
+    def __init__(self, *, post, collect, ready, reconnect, encode, parse,
+                 limits: QueueLimits | None = None, blocking: bool = False) -> None:
+        self._post, self._collect, self._ready = post, collect, ready
+        self._reconnect, self._encode, self._parse = reconnect, encode, parse
+        self.limits = limits or QueueLimits()
+        self.blocking = blocking
+        self.seq = 0
+        self.acked = 0  # the last sequence number whose reply was read
+        self.inflight: deque[Launched] = deque()
+        self._bytes = 0
+        self._reply_bytes = 0
+        self._steps = 0
+        self.unreported: list[Launched] = []  # failed, and not raised yet
+        self.failed_objects: dict[tuple, Launched] = {}  # objects failed calls were to make
+        self.blocking_reads = 0  # waits for the worker on behalf of a read (the round trips code cost)
+        self.queue_waits = 0  # waits because the queue was full
+        self.requests_queued = 0  # requests sent without waiting
+        self.name = ""  # the worker's, on trace tracks
+
+    # ------------------------------------------------------------------ sending
+    def launch(self, body, frames: Sequence, launched: Launched) -> Launched:
+        """Send a request; its reply is read later (see :meth:`wait`)."""
+        self._make_room(launched)
+        alone = not self.inflight
+        self.seq += 1
+        launched.seq = self.seq
+        header = self._encode(body, self.seq, self.acked)
+        launched.message = (header, list(frames))
+        launched.nbytes = len(header) + sum(memoryview(f).nbytes for f in frames)
+        self._enter(launched)
+        tracer = trace.current()
+        if tracer is not None:
+            tracer.issued(self.name, launched)
+        try:
+            self._post(header, launched.message[1])
+        except errors.TransportError:
+            if alone:  # nothing else in flight: this request failed by itself, and says so now
+                self.inflight.pop()
+                self._leave(launched)
+                raise
+            self._recover()
+        if self.blocking:
+            self.wait(launched, read=False)
+        else:
+            self.requests_queued += 1
+            self._drain_ready()
+        return launched
+
+    def request(self, body, frames: Sequence = (), expect: type | None = None, what: str = "") -> tuple:
+        """Send a request and wait for its reply (raised if it failed): ``(reply, frames)``."""
+        launched = Launched(what or type(body).__name__, expect=expect, origin=origins.here())
+        self.launch(body, frames, launched)
+        self.wait(launched)
+        launched.raise_error()
+        return launched.reply, launched.frames
+
+    def _enter(self, launched: Launched) -> None:
+        self.inflight.append(launched)
+        self._bytes += launched.nbytes
+        self._reply_bytes += launched.reply_bytes
+        self._steps += launched.step
+
+    def _leave(self, launched: Launched) -> None:
+        self._bytes -= launched.nbytes
+        self._reply_bytes -= launched.reply_bytes
+        self._steps -= launched.step
+        launched.message = ()
+
+    def _make_room(self, launched: Launched) -> None:
+        limits = self.limits
+        while self.inflight and (len(self.inflight) >= limits.requests or self._bytes >= limits.nbytes
+                                 or (launched.step and self._steps >= limits.steps)
+                                 or self._reply_bytes + launched.reply_bytes > limits.reply_bytes):
+            if not self._drain_ready():
+                self.queue_waits += 1
+                self._settle_one()
+
+    # ------------------------------------------------------------------ reading
+    def wait(self, launched: Launched, read: bool = True) -> None:
+        """Read replies in order until ``launched``'s is read (one round trip, for a read).
+
+        Failures of requests that make no value, sent before it, are raised
+        here (a read may depend on them); ``launched``'s own error is not
+        (the caller raises it where its value is used).
+        """
+        if not launched.done:
+            if read:
+                self.blocking_reads += 1
+            started = time.perf_counter()
+            while not launched.done:
+                self._settle_one()
+            tracer = trace.current()
+            if tracer is not None:
+                tracer.waited(self.name, started, launched, origins.here())
+        self.raise_effects(before=launched.seq)
+
+    def sync(self) -> None:
+        """Wait for every reply; raise the first failure not raised yet (and say how many more)."""
+        if self.inflight:
+            self.blocking_reads += 1
+            while self.inflight:
+                self._settle_one()
+        pending = [f for f in self.unreported if not f.reported]
+        self.unreported.clear()
+        if pending:
+            first = pending[0]
+            if len(pending) > 1:
+                log.warning("%d more asynchronous failure(s) after %s: %s", len(pending) - 1, first.what,
+                            "; ".join(f"{f.what}: {f.error}" for f in pending[1:4]))
+            first.raise_error()
+
+    def raise_effects(self, before: int | None = None) -> None:
+        """Raise the first failure of a request that made no value (sent before seq ``before``)."""
+        for failed in self.unreported:
+            if failed.effect and not failed.reported and (before is None or failed.seq < before):
+                self.unreported = [f for f in self.unreported if f is not failed]
+                failed.raise_error()
+
+    def _drain_ready(self) -> bool:
+        """Read the replies that are here already, without waiting; whether any was."""
+        got = False
+        while self.inflight:
+            message = self._ready()
+            if message is None:
+                return got
+            self._take(self.inflight.popleft(), message)
+            got = True
+        return got
+
+    def _settle_one(self) -> None:
+        launched = self.inflight[0]
+        try:
+            message = self._collect()
+        except errors.TransportError:
+            self._recover()
+            return
+        self.inflight.popleft()
+        self._take(launched, message)
+
+    def _take(self, launched: Launched, message: tuple) -> None:
+        header, frames = message
+        self.acked = launched.seq
+        self._leave(launched)
+        try:
+            reply = self._parse(header, launched.expect)
+            launched.reply, launched.frames = reply, frames
+            if launched.on_reply is not None:
+                launched.on_reply(reply, frames)
+        except errors.RemoteError as exc:
+            self._failed(launched, exc)
+        finally:
+            launched.done = True
+            tracer = trace.current()
+            if tracer is not None:
+                tracer.answered(self.name, launched)
+
+    def _failed(self, launched: Launched, exc: errors.RemoteError) -> None:
+        if isinstance(exc, errors.MissingObjectsError):
+            root = self._root_of(exc)
+            if root is not None:
+                exc.launched_root = root
+        launched.error = exc
+        if launched.on_error is not None:
+            launched.on_error(exc)
+        for key in launched.makes:
+            self.failed_objects[key] = launched
+        if len(self.failed_objects) > 65536:  # old failures: their objects' ids are never reused
+            for key in list(self.failed_objects)[:32768]:
+                del self.failed_objects[key]
+        self.unreported.append(launched)
+
+    def _root_of(self, exc: errors.MissingObjectsError) -> Launched | None:
+        keys = ([("h", h) for h in exc.handles] + [("t", t) for t in exc.tensors]
+                + [("g", g) for g in exc.graphs] + [("b", b) for b in exc.bindings])
+        for key in keys:
+            root = self.failed_objects.get(key)
+            if root is not None:
+                return getattr(root.error, "launched_root", None) or root
+        return None
+
+    # ----------------------------------------------------------------- failures
+    def _recover(self) -> None:
+        """The connection dropped with requests in flight: reconnect and send them again, once.
+
+        The worker runs only those it had not run, and answers the others from
+        its memory. If the worker cannot be reached, or no longer holds the
+        session, every request in flight fails, named in the error.
+        """
+        todo = list(self.inflight)
+        try:
+            resumed = self._reconnect()
+            if not resumed and todo:
+                raise errors.WorkerUnavailableError(
+                    "the worker no longer holds this session (it restarted, or the lease ran out)")
+            for launched in todo:
+                self._post(*launched.message)
+            log.info("reconnected; sent %d request(s) in flight again", len(todo))
+        except errors.RemoteError as exc:
+            self._lose(todo, exc)
+
+    def _lose(self, todo: list[Launched], exc: errors.RemoteError) -> None:
+        lost = ", ".join(f"{l.what} ({origins.first_line(l.origin) or 'remotorch'})" for l in todo[:8])
+        more = f" and {len(todo) - 8} more" if len(todo) > 8 else ""
+        for launched in todo:
+            self.inflight.remove(launched)
+            self._leave(launched)
+            error = errors.WorkerUnavailableError(f"{exc.message}; lost with it: {lost}{more}")
+            self._failed(launched, error)
+            launched.effect = True  # every later read must hear of it: state on the worker is gone
+            launched.done = True
+
+    # --------------------------------------------------------------- reporting
+    def counters(self) -> dict:
+        return dict(blocking_reads=self.blocking_reads, queue_waits=self.queue_waits,
+                    requests_queued=self.requests_queued)

@@ -1,0 +1,97 @@
+"""What each session's stream of requests has run, so that a request sent twice runs once.
+
+A client sends requests without waiting for their replies, each with a
+sequence number (``Envelope.seq``), and acknowledges the replies it has read
+(``Envelope.ack``). When its connection drops with requests in flight, it
+reconnects, attaches to the same session and sends them again. The worker
+must then run only those it had not run: an optimizer step applied twice is
+lost data. So for each session it remembers the last sequence number it ran
+and the replies the client has not acknowledged yet, and answers a request
+it already ran with the reply it gave then.
+
+Memory is bounded: at most :data:`MAX_REPLIES` replies and
+:data:`MAX_BYTES` bytes per session (the client's queue is far smaller by
+default); a request whose remembered reply had to be dropped is answered
+with an error saying so (it ran; its result is lost), never run again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+from ..errors import ProtocolError, WorkerError
+
+MAX_REPLIES = 4096
+MAX_BYTES = 256 << 20
+
+Reply = tuple[bytes, list]
+
+
+class _Stream:
+    __slots__ = ("last", "replies", "nbytes", "forgotten")
+
+    def __init__(self) -> None:
+        self.last = 0  # the last sequence number run
+        self.replies: OrderedDict[int, tuple[Reply, int]] = OrderedDict()  # seq -> (reply, bytes)
+        self.nbytes = 0
+        self.forgotten = 0  # replies up to this seq were dropped unacknowledged (over the bounds)
+
+
+class Replays:
+    """Per session: the last request run, and the replies not acknowledged (see the module docstring)."""
+
+    def __init__(self, error_reply: Callable[[Exception], bytes]) -> None:
+        """``error_reply(exc)``: the header of an error reply."""
+        self._streams: dict[Hashable, _Stream] = {}
+        self._error_reply = error_reply
+
+    def acknowledge(self, session: Hashable, ack: int) -> None:
+        """The client has read every reply up to ``ack``: forget those."""
+        stream = self._streams.get(session)
+        if stream is None:
+            return
+        while stream.replies:
+            first = next(iter(stream.replies))
+            if first > ack:
+                break
+            _, nbytes = stream.replies.pop(first)
+            stream.nbytes -= nbytes
+
+    def answered(self, session: Hashable, seq: int) -> Reply | None:
+        """The reply to give for request ``seq`` if it ran already, else None (run it, then :meth:`ran`)."""
+        stream = self._streams.get(session)
+        last = stream.last if stream is not None else 0
+        if seq > last:
+            if seq != last + 1 and last:
+                return self._error_reply(ProtocolError(
+                    f"request {seq} arrived after {last}: requests in between were lost")), []
+            return None
+        kept = stream.replies.get(seq) if stream is not None else None
+        if kept is not None:
+            return kept[0]
+        return self._error_reply(WorkerError(
+            f"request {seq} was sent again after a dropped connection: it ran already, and its reply "
+            "could not be kept for so long (the client read no reply for too long)")), []
+
+    def ran(self, session: Hashable, seq: int, reply: Reply) -> None:
+        """Request ``seq`` ran and was answered ``reply``: keep it until the client acknowledges it."""
+        stream = self._streams.get(session)
+        if stream is None:
+            stream = self._streams[session] = _Stream()
+        stream.last = seq
+        nbytes = len(reply[0]) + sum(memoryview(f).nbytes for f in reply[1])
+        stream.replies[seq] = (reply, nbytes)
+        stream.nbytes += nbytes
+        while stream.replies and (len(stream.replies) > MAX_REPLIES or stream.nbytes > MAX_BYTES):
+            old, (_, n) = stream.replies.popitem(last=False)
+            stream.nbytes -= n
+            stream.forgotten = old
+
+    def forget(self, session: Hashable) -> None:
+        """The session ended: its stream with it."""
+        self._streams.pop(session, None)
+
+    def held_bytes(self) -> int:
+        """Bytes of replies kept for all sessions."""
+        return sum(s.nbytes for s in self._streams.values())
