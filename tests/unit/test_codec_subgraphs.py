@@ -129,9 +129,9 @@ def test_the_encoder_refuses_a_subgraph_that_names_itself():
     inner = gm.true_graph_0
     graph = inner.graph
     (out,) = [n for n in graph.nodes if n.op == "output"]
+    inner.loop = inner  # the subgraph is its own attribute
     with graph.inserting_before(out):
         graph.call_function(torch.ops.higher_order.cond, (True, graph.get_attr("loop"), graph.get_attr("loop"), ()))
-    inner.loop = inner  # the subgraph is its own attribute
     with pytest.raises(UnsupportedGraphError, match="refers to itself"):
         encode_graph(gm)
 
