@@ -101,3 +101,24 @@ def test_with_effects_takes_a_token_first_and_names_only_allowed_operators():
     assert "token" in refused(lambda n: n["args"].__setitem__(0, 1.5))
     assert "mylib" in refused(lambda n: n["args"].__setitem__(1, {"$op": "mylib::effect.default"}))
     assert "not allowed" in refused(lambda n: n["args"].__setitem__(1, {"$op": "aten::_print.default"}))
+
+
+def test_calls_among_placeholders_move_after_the_last_one_and_nothing_else_moves():
+    from remotorch.capture.backend import _placeholders_first
+
+    g = torch.fx.Graph()
+    a = g.placeholder("a")
+    token = g.call_function(torch.ops.prims._make_token.default, ())
+    b = g.placeholder("b")
+    g.output((g.call_function(torch.ops.aten.add.Tensor, (a, b)), token))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    _placeholders_first(gm)
+    assert [n.op for n in gm.graph.nodes] == ["placeholder", "placeholder", "call_function", "call_function", "output"]
+    assert torch.equal(gm(torch.ones(2), torch.ones(2))[0], torch.full((2,), 2.0))
+
+    g = torch.fx.Graph()  # no placeholders at all (torch.ones(10)): left as it is
+    g.output(g.call_function(torch.ops.aten.ones.default, ([3],)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    _placeholders_first(gm)
+    assert [n.op for n in gm.graph.nodes] == ["call_function", "output"]
+    assert torch.equal(gm(), torch.ones(3))

@@ -92,9 +92,9 @@ def _placeholders_first(gm: torch.fx.GraphModule) -> None:
     inputs first). aot_autograd puts ``prims._make_token()`` where the token input it replaces was;
     a call there uses nothing after it, so moving it (and any like it, in order) changes nothing."""
     nodes = list(gm.graph.nodes)
-    last = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
+    last = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=0)
     early = [n for n in nodes[:last] if n.op != "placeholder"]
-    anchor = nodes[last] if early else None
+    anchor = nodes[last]
     for node in early:
         anchor.append(node)
         anchor = node
