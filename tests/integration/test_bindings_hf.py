@@ -32,13 +32,13 @@ def ids(seed: int) -> torch.Tensor:
 def record_runs(session) -> list:
     """The header of every ``Run`` the session sends from now on, decoded as the worker reads it."""
     link, sent = session.connection.link, []
-    request = link.request
+    launch = link.launch  # every request goes out through it, waited for or not
 
     def recording(body, *args, **kwargs):
         if type(body) is m.Run:
             sent.append(m.decode(m.encode(body)))
-        return request(body, *args, **kwargs)
-    link.request = recording
+        return launch(body, *args, **kwargs)
+    link.launch = recording
     return sent
 
 

@@ -244,7 +244,10 @@ class Connection:
         tensors = self.uploads.released
         if not handles and not tensors and not any(extra):
             return None
+        handles, spans = _spans(handles)
         fields: dict[str, list] = {"handles": handles}
+        if spans:
+            fields["spans"] = spans
         if tensors:
             fields["tensors"], self.uploads.released = tensors, []
         for more in extra:
@@ -322,7 +325,12 @@ class Connection:
                     extra["bound"] = resident.id
                 else:
                     extra["bind"], binds[0] = resident.id, resident
-            return request(graph.graph_id, engine, run_args, **extra), frames
+            gid = graph.graph_id
+            if request is m.Run:
+                run_args = m.compact(run_args)  # runs of handles and slots in two numbers each
+                if launched is not None:  # a warm call: the graph ran here, its short id names it
+                    gid = gid[:m.SHORT_GRAPH_ID]
+            return request(gid, engine, run_args, **extra), frames
 
         if launched is not None:
             return self._launch(graph, build, launched, binds)
@@ -402,6 +410,25 @@ class Connection:
 
     def __repr__(self) -> str:
         return f"Connection({self.name or self.url or 'embedded'})"
+
+
+def _spans(ids: list[int], least: int = 3) -> tuple[list[int], list[list[int]]]:
+    """Released handle ids as (single ids, [first, count] runs of at least ``least`` consecutive ones)."""
+    if len(ids) < least:
+        return ids, []
+    single, spans = [], []
+    ids = sorted(ids)
+    i = 0
+    while i < len(ids):
+        j = i + 1
+        while j < len(ids) and ids[j] == ids[j - 1] + 1:
+            j += 1
+        if j - i >= least:
+            spans.append([ids[i], j - i])
+        else:
+            single.extend(ids[i:j])
+        i = j
+    return single, spans
 
 
 __all__ = ["Connection", "ContentIds", "Graph", "Launched", "parse_reply"]

@@ -31,7 +31,7 @@ import torch
 from .. import errors
 from ..codec import messages as m
 from ..codec.frames import FrameReader
-from ..codec.tensors import dtype_name
+from ..codec.tensors import contiguous_strides, dtype_name
 from . import origin
 from .graph import Graph
 from .remote import RemoteGrad, RemoteTensor, fill, placeholder
@@ -67,8 +67,13 @@ class Plan:
         self._made: dict[int, weakref.ref] = {}  # output index -> its placeholder (weakly)
 
     def strides(self) -> list[list[int]]:
-        """The strides promised for each kept output, in ``keep`` order (the worker makes them so)."""
-        return [list(self.layout[i].strides) for i in self.keep]
+        """The strides promised for each kept output, in ``keep`` order (the worker makes them so;
+        empty: row-major)."""
+        out = []
+        for i in self.keep:
+            spec = self.layout[i]
+            out.append([] if list(spec.strides) == contiguous_strides(spec.shape) else list(spec.strides))
+        return out
 
     def outputs(self, launched: Launched) -> list:
         """Python's stand-ins for every output, now."""
@@ -94,18 +99,36 @@ class Plan:
         return out
 
     def on_reply(self, reply, frames: list) -> None:
-        """Check the reply against the plan; fill what came back."""
-        if len(reply.outputs) != len(self.layout):
-            raise errors.ProtocolError("worker answered a launched run with the wrong number of outputs")
+        """Check the reply against the plan (a brief reply: what it says); fill what came back.
+
+        Outputs a brief reply leaves out were disposed of as planned: saved,
+        kept (with the promised strides) or accumulated; each kept one needs
+        nothing more than the reply having come.
+        """
+        if len(reply.at) != len(reply.outputs) or not all(0 <= i < len(self.layout) for i in reply.at):
+            raise errors.ProtocolError("worker answered a launched run with outputs it does not have")
         reader = FrameReader(frames)
         saved = set(self.saved)
-        for i, (arg, spec) in enumerate(zip(reply.outputs, self.layout)):
-            if i in self.grads or i in saved:
+        told = dict(zip(reply.at, reply.outputs))
+        for i, spec in enumerate(self.layout):
+            arg = told.get(i)
+            if arg is None:
+                if i in self.echo:
+                    raise errors.ProtocolError(f"output {i}: the worker's reply lacks a value it was to send")
+                if i in self._made:
+                    self._settled(i)
+            elif i in self.grads or i in saved:
                 _expect(arg, m.ScalarArg(None) if i in self.grads else m.HandleArg(self.ids[i]), i)
             elif not _is_tensor(spec):
                 _expect(arg, m.ScalarArg(spec), i)
             else:
                 self._made_real(i, arg, spec, reader)
+
+    def _settled(self, i: int) -> None:
+        ref = self._made.get(i)
+        ph = ref() if ref is not None else None
+        if ph is not None and "_rt_ref" in ph.__dict__:
+            ph._rt_ref.launched = None  # made: reads need not wait for anything
 
     def _made_real(self, i: int, arg, spec, reader: FrameReader) -> None:
         ref = self._made.get(i)
@@ -122,8 +145,7 @@ class Plan:
                 fill(ph, value)
             return
         _expect(arg, m.KeptArg(self.ids[i], dtype_name(spec.dtype), list(spec.shape), list(spec.strides)), i)
-        if ph is not None and "_rt_ref" in ph.__dict__:
-            ph._rt_ref.launched = None  # made: reads need not wait for anything
+        self._settled(i)
 
 
 def _is_tensor(spec) -> bool:
@@ -145,9 +167,10 @@ def launch(conn, graph: Graph, args: Sequence, plan: Plan, *, fields: dict | Cal
 
     def all_fields() -> dict:
         extra = fields() if callable(fields) else dict(fields)
-        extra.update(keep=plan.keep, handle_base=plan.base, keep_min_bytes=0, echo=plan.echo)
-        if plan.keep:
-            extra["strides"] = plan.strides()
+        extra.update(keep=plan.keep, handle_base=plan.base, keep_min_bytes=0, echo=plan.echo, brief=True)
+        strides = plan.strides()
+        if any(strides):  # else every kept output is row-major, which a brief run means by default
+            extra["strides"] = strides
         return extra
 
     conn.run(graph, args, fields=all_fields, placed=placed, launched=launched)

@@ -99,7 +99,7 @@ class Uploads:
         """Take the worker's word that it lacks these objects; False when one cannot be uploaded again."""
         if not exc.recoverable:
             return False
-        self.graphs.difference_update(exc.graphs)
+        self.graphs.difference_update([g for g in self.graphs if any(g.startswith(p) for p in exc.graphs)])
         if exc.tensors:
             self.tensors.difference_update(exc.tensors)
             self.generation += 1

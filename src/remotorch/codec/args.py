@@ -61,9 +61,67 @@ class ViewArg(msgspec.Struct, frozen=True, tag="v", array_like=True):
     offset: int
 
 
+class HandlesArg(msgspec.Struct, frozen=True, tag="hs", array_like=True):
+    """``count`` consecutive arguments: the handles ``first``, ``first + 1``, … (a backward's saved
+    activations, named in one entry instead of one each)."""
+
+    first: int
+    count: int
+
+
+class SlotsArg(msgspec.Struct, frozen=True, tag="ps", array_like=True):
+    """``len(ids)`` consecutive arguments: these parameter slots (a forward's parameters, named in
+    one entry instead of one each)."""
+
+    ids: list[int]
+
+
+MAX_RUN_ARGS = 1 << 16  # arguments a Run may stand for, runs expanded
+
+
+def expand(args: list) -> list:
+    """A ``Run``'s arguments with each run of handles or slots written out (at most ``MAX_RUN_ARGS``)."""
+    if not any(type(a) is HandlesArg or type(a) is SlotsArg for a in args):
+        return args
+    out = []
+    for a in args:
+        kind = type(a)
+        if kind is HandlesArg:
+            if a.count < 0 or a.first < 0 or len(out) + a.count > MAX_RUN_ARGS:
+                raise ValueError(f"a run of {a.count} handles from {a.first} does not fit a Run")
+            out.extend(HandleArg(a.first + k) for k in range(a.count))
+        elif kind is SlotsArg:
+            if len(out) + len(a.ids) > MAX_RUN_ARGS:
+                raise ValueError(f"a run of {len(a.ids)} slots does not fit a Run")
+            out.extend(SlotArg(sid) for sid in a.ids)
+        else:
+            out.append(a)
+    return out
+
+
+def compact(args: list, least: int = 3) -> list:
+    """``args`` with each run of at least ``least`` handles of consecutive ids at consecutive
+    positions written as one :class:`HandlesArg`, and each run of slots as one :class:`SlotsArg`."""
+    out, i, n = [], 0, len(args)
+    while i < n:
+        a = args[i]
+        kind = type(a)
+        if kind is HandleArg or kind is SlotArg:
+            j = i + 1
+            while j < n and type(args[j]) is kind and (kind is SlotArg or args[j].id == a.id + (j - i)):
+                j += 1
+            if j - i >= least:
+                out.append(HandlesArg(a.id, j - i) if kind is HandleArg else SlotsArg([b.id for b in args[i:j]]))
+                i = j
+                continue
+        out.append(a)
+        i += 1
+    return out
+
+
 class ZerosArg(msgspec.Struct, frozen=True, tag="z", array_like=True):
     """A tensor of zeros, by its layout alone: the gradient autograd makes up for an output that
-    got none (a backward's tangent), which need not travel as bytes."""
+    got none (a backward's tangent), which need not travel as bytes. Empty ``strides``: row-major."""
 
     dtype: str
     shape: list[int]
@@ -88,5 +146,5 @@ class EchoArg(msgspec.Struct, frozen=True, tag="e", array_like=True):
 
 
 Arg = Union[TensorArg, RefArg, ScalarArg]
-RunArg = Union[TensorArg, RefArg, ScalarArg, HandleArg, SlotArg, ViewArg, ZerosArg]
+RunArg = Union[TensorArg, RefArg, ScalarArg, HandleArg, SlotArg, ViewArg, ZerosArg, HandlesArg, SlotsArg]
 OutputArg = Union[TensorArg, ScalarArg, HandleArg, KeptArg, EchoArg]

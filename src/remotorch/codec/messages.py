@@ -14,8 +14,9 @@ from typing import Union
 
 import msgspec
 
-from .args import (Arg, EchoArg, HandleArg, KeptArg, OutputArg, RefArg, RunArg, ScalarArg, SlotArg,
-                   TensorArg, TensorMeta, ViewArg, ZerosArg)
+from .args import compact, expand  # noqa: F401 (how a Run writes runs of handles and slots)
+from .args import (Arg, EchoArg, HandleArg, HandlesArg, KeptArg, OutputArg, RefArg, RunArg, ScalarArg, SlotArg,
+                   SlotsArg, TensorArg, TensorMeta, ViewArg, ZerosArg)
 from .cache import Challenge, ChallengeReply, Have, HaveReply
 from .groups import BroadcastSlots, JoinGroup, LeaveGroup, OpenStore, ReduceGrads, StoreReply
 from .training import (AccumulateGrads, BindSlots, ClipGradNorm, Hyper, NormReply, OptimCreate,
@@ -25,6 +26,7 @@ from .values import Deliver, ExpectHandles, Fetch, FetchReply, SendHandles, Tick
 
 PROTOCOL_VERSION = 6
 MAX_BINDINGS = 4096  # argument bindings a session may hold on a worker (Run.bind, §8.1)
+SHORT_GRAPH_ID = 16  # hex digits of a graph id that name it in a Run once the session ran it
 
 
 # ----------------------------------------------------------------------- requests
@@ -39,6 +41,8 @@ class Pending(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     then the handles, parameter slots, optimizers and uploaded tensors
     (content ids, e.g. a buffer's superseded value) the client no longer
     references are dropped. Ids the session does not hold are ignored.
+    ``spans`` names runs of consecutive handle ids (a step's activations) in
+    two numbers each.
     """
 
     handles: list[int] = []
@@ -46,6 +50,7 @@ class Pending(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     optims: list[int] = []
     zero_grad: list[int] = []
     tensors: list[str] = []
+    spans: list[list[int]] = []  # [first, count]: handles first, first + 1, … dropped too
 
 
 class Flush(msgspec.Struct, frozen=True, tag="flush", omit_defaults=True):
@@ -100,11 +105,18 @@ class Run(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
     its reply; the worker keeps each output with exactly those strides.
     ``echo``: kept outputs that are also sent back inline (``EchoArg``): the
     client reads them from the reply, and may name them by handle meanwhile.
+    ``brief``: answer only the outputs that carry something the client does
+    not know (``RunReply.at``): values sent back, and every output that was
+    not disposed of as planned; saved, kept and accumulated ones go unsaid, and
+    kept ones are kept row-major unless ``strides`` says otherwise.
+
+    ``graph_id`` may be the first :data:`SHORT_GRAPH_ID` hex digits of the id of
+    a graph the session ran before (a warm call need not repeat all 64).
     """
 
     graph_id: str
-    engine: str
-    args: list[RunArg]
+    engine: str = "eager"
+    args: list[RunArg] = []
     keep: list[int] = []
     handle_base: int = 0
     keep_min_bytes: int = 0
@@ -116,6 +128,7 @@ class Run(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
     bound: int = 0
     strides: list[list[int]] = []
     echo: list[int] = []
+    brief: bool = False
 
 
 class Echo(msgspec.Struct, frozen=True, tag="echo", omit_defaults=True):
@@ -171,11 +184,13 @@ class Ok(msgspec.Struct, frozen=True, tag="ok", omit_defaults=True):
 
 class RunReply(msgspec.Struct, frozen=True, tag="run_reply", omit_defaults=True):
     """A ``Run``'s flat outputs (tensors in frames, scalars inline, the others as ``Run`` says) and the
-    worker's own timing."""
+    worker's own timing. To a ``brief`` run, ``outputs`` holds only the outputs the client does not
+    know, and ``at`` their indices."""
 
     outputs: list[OutputArg]
     run_ms: float
     compiled: bool = False  # this call compiled the graph for its engine
+    at: list[int] = []
 
 
 class EchoReply(msgspec.Struct, frozen=True, tag="echo_reply", omit_defaults=True):

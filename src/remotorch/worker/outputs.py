@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from ..codec import messages as m
-from ..codec.tensors import dtype_from_name, dtype_name
+from ..codec.tensors import contiguous_strides, dtype_from_name, dtype_name
 from ..errors import InvalidRequestError, LimitExceededError
 from .handles import HandleStore
 from .training import Trainables
@@ -52,11 +52,12 @@ class OutputPlan:
     send: tuple = ()  # (m.SendOutputs, ...)
     strides: tuple = ()  # the strides promised for each kept output (a run sent without waiting)
     echo: frozenset = frozenset()  # kept outputs also sent back inline
+    brief: bool = False  # a run sent without waiting: kept outputs row-major unless ``strides`` says
 
     @classmethod
     def of(cls, req: m.Run) -> OutputPlan:
         return cls(req.saved_from, req.handle_base, tuple(req.keep), req.keep_min_bytes,
-                   tuple(req.grads), tuple(req.send), tuple(req.strides), frozenset(req.echo))
+                   tuple(req.grads), tuple(req.send), tuple(req.strides), frozenset(req.echo), req.brief)
 
     @property
     def inline(self) -> bool:
@@ -131,8 +132,8 @@ def _keep(worker: Stores, session: object, plan: OutputPlan, outs: list, base: i
         o = outs[i]
         if i in saved or not isinstance(o, torch.Tensor):
             continue
-        if plan.strides:
-            o = restrided(o, plan.strides[j])
+        if plan.strides or plan.brief:
+            o = restrided(o, plan.strides[j] if plan.strides else ())
         size = o.numel() * o.element_size()
         if size < plan.keep_min_bytes or not worker.may_keep(session, room + size):
             continue  # over the quota: it travels back instead
@@ -161,21 +162,23 @@ def _check_layout(shape, strides, what: str) -> int:
 def zeros(arg: m.ZerosArg, device: torch.device, max_bytes: int) -> torch.Tensor:
     """The tensor of zeros a ``ZerosArg`` names (dense layouts only, within the tensor size limit)."""
     dtype = dtype_from_name(arg.dtype)
-    numel = _check_layout(arg.shape, arg.strides, "a tensor of zeros")
+    strides = arg.strides or contiguous_strides(arg.shape)
+    numel = _check_layout(arg.shape, strides, "a tensor of zeros")
     if numel * dtype.itemsize > max_bytes:
         raise LimitExceededError(f"a tensor of zeros of {numel * dtype.itemsize} bytes is over the worker's "
                                  f"limit of {max_bytes}")
-    return torch.zeros(arg.shape, dtype=dtype, device=device).as_strided(arg.shape, arg.strides) \
-        if numel else torch.empty_strided(arg.shape, arg.strides, dtype=dtype, device=device)
+    return torch.zeros(arg.shape, dtype=dtype, device=device).as_strided(arg.shape, strides) \
+        if numel else torch.empty_strided(arg.shape, strides, dtype=dtype, device=device)
 
 
 def restrided(t: torch.Tensor, strides) -> torch.Tensor:
     """``t`` with exactly these strides (a copy when it has others): the layout the client promised.
 
-    Only layouts that address each element at most once in no more memory
-    than the tensor needs (dense ones in any order): anything else is refused.
+    Empty ``strides``: row-major. Only layouts that address each element at
+    most once in no more memory than the tensor needs (dense ones in any
+    order): anything else is refused.
     """
-    strides = list(strides)
+    strides = list(strides) or contiguous_strides(t.shape)
     if strides == list(t.stride()):
         return t
     _check_layout(list(t.shape), strides, "an output")

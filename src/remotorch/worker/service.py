@@ -47,6 +47,11 @@ def error_reply(exc: RemoteError) -> bytes:
     return m.encode(m.ErrorReply(exc.kind, exc.message, exc.remote_traceback))
 
 
+def _answer(o, w: FrameWriter):
+    """An output that travels in the reply: kept and echoed, a tensor inline, or a scalar."""
+    return m.EchoArg(o.id, w.meta(o.tensor)) if type(o) is Echo else w.value(o)
+
+
 def _ok() -> Reply:
     return m.encode(m.Ok()), []
 
@@ -211,8 +216,11 @@ class Service:
         ran = self.worker.run(session, req, frames, self._send)
         w = FrameWriter()
         value = w.value
-        outputs = [o if isinstance(o, _WIRE) else m.EchoArg(o.id, w.meta(o.tensor)) if type(o) is Echo else value(o)
-                   for o in ran.outputs]
+        if req.brief:  # only what the client does not know: values, and outputs not disposed of as planned
+            at = [i for i, o in enumerate(ran.outputs) if not isinstance(o, _WIRE) and o is not None]
+            outputs = [_answer(ran.outputs[i], w) for i in at]
+            return m.encode(m.RunReply(outputs, ran.ms, ran.compiled, at)), w.frames
+        outputs = [o if isinstance(o, _WIRE) else _answer(o, w) for o in ran.outputs]
         return m.encode(m.RunReply(outputs, ran.ms, ran.compiled)), w.frames
 
     def _send(self, url: str, ticket_id: bytes, secret: bytes, tensors: list) -> None:

@@ -40,12 +40,14 @@ from .disk import DiskCache, valid_id
 from .store import SharedStore
 from .timing import MAX_REPEATS, MAX_WARMUPS, TimedRuns, time_runs
 from .handles import HandleStore, count_bytes
+from ..codec.args import expand
 from .outputs import OutputPlan, Send, dispose, grad_slots, zeros
 from .groups import Groups
 from .training import Trainables
 
 log = logging.getLogger(__name__)
 
+MAX_SPANNED = 1 << 20  # handles one Pending's spans may name
 _MISSING = object()  # a RefArg the session does not hold (reported with the others)
 
 
@@ -97,6 +99,7 @@ class Worker:
                                  f"(available: {', '.join(self.engines)})")
             self.engines = list(engine_names)
         self._graphs = SharedStore(limits.cache_bytes)
+        self._short_ids: dict[object, dict[str, str]] = {}  # session -> short graph id -> graph id
         self._tensors = SharedStore(limits.cache_bytes)
         self.handles = HandleStore()  # every value kept for a session, by handle id
         self.trainables = Trainables(self.device)  # parameter slots and optimizers
@@ -107,8 +110,20 @@ class Worker:
         self._bindings = Bindings()  # session -> binding id -> argument binding (Run.bind)
 
     # ------------------------------------------------------------------ sessions
+    def _full_graph_id(self, session: object, short: str) -> str:
+        """The id of the one graph this session ran whose id starts with ``short`` (else ``missing``)."""
+        known = self._short_ids.setdefault(session, {})
+        gid = known.get(short)
+        if gid is None:
+            found = [k for k in self._graphs.session_keys(session) if k.startswith(short)]
+            if len(found) != 1:
+                raise MissingObjectsError("worker does not hold these objects for this session", graphs=[short])
+            gid = known[short] = found[0]
+        return gid
+
     def close_session(self, session: object) -> None:
         """Release everything a session held (objects no one else holds are freed)."""
+        self._short_ids.pop(session, None)
         self._graphs.drop_session(session)
         self._tensors.drop_session(session)
         self.handles.drop_session(session)
@@ -122,6 +137,11 @@ class Worker:
             self.trainables.apply_pending(session, p.zero_grad, p.slots, p.optims)
         if p.handles:
             self.handles.release(session, p.handles)
+        if p.spans:
+            if not all(len(r) == 2 and r[1] >= 0 for r in p.spans) or sum(r[1] for r in p.spans) > MAX_SPANNED:
+                raise InvalidRequestError(f"spans of handles are [first, count] pairs naming at most "
+                                          f"{MAX_SPANNED} handles")
+            self.handles.release(session, [r[0] + k for r in p.spans for k in range(r[1])])
         if p.tensors:
             self._tensors.release(session, p.tensors)
             self._bindings.unbind(session, p.tensors)
@@ -316,6 +336,12 @@ class Worker:
         """
         if bind and bound:
             raise InvalidRequestError("a run names an argument binding or makes one, not both")
+        if len(gid) == m.SHORT_GRAPH_ID:
+            gid = self._full_graph_id(session, gid)
+        try:
+            args = expand(args)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
         binding = self._bindings.find(session, bound, gid, len(args)) if bound else None
         values = self.values(session, args, frames)
         missing_t = [a.id for a, v in zip(args, values) if v is _MISSING]

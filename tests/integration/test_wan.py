@@ -1,0 +1,258 @@
+"""Behind a real network delay: only a read waits, errors arrive late but exactly, nothing runs twice.
+
+Every session here reaches the shared worker through a user-space relay that
+holds each chunk 5 ms in each direction (``remotorch.devtools.netem``), as a
+worker in the next rack or another zone would be. The tests count what is
+deterministic, never time: the round trips the code waited for
+(``stats()["blocking_reads"]``), requests and bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import remotorch
+from remotorch import errors
+from remotorch.devtools.netem import DelayProxy
+from remotorch.optim import RemoteOptimizer
+
+from conftest import TOKEN
+from helpers import tiny_mlp
+
+transformers = pytest.importorskip("transformers")
+
+DELAY_MS = 5
+
+
+@pytest.fixture(scope="module")
+def relay(server):
+    with DelayProxy(server.url, delay_ms=DELAY_MS) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def wan(relay, session_for):
+    """A session to the shared worker through the relay."""
+    return session_for(relay.url)
+
+
+def tiny_gpt2(seed: int = 0):
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                     eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def batch(seed: int) -> torch.Tensor:
+    return torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def delta(session, before: dict) -> dict:
+    now = session.stats()
+    return {k: now[k] - before[k] for k in ("blocking_reads", "requests_queued", "bytes_sent", "bytes_received",
+                                             "remote_calls")}
+
+
+# ---------------------------------------------------------------- round trips
+def test_a_training_step_that_reads_its_loss_waits_once_and_one_that_reads_nothing_never(wan):
+    model = tiny_gpt2()
+    reference = copy.deepcopy(model)
+    f = remotorch.compile(model, session=wan, fallback="raise")
+    opt = RemoteOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3, session=wan)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+
+    def step(b, read: bool):
+        loss = f(b, labels=b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = reference(b, labels=b).loss
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        return (loss.item(), ref_loss.item()) if read else (loss, ref_loss)
+
+    for i in range(2):  # cold: uploads, compiles
+        step(batch(i), read=True)
+    before = wan.stats()
+    for i in range(2, 6):
+        got, want = step(batch(i), read=True)
+        assert got == pytest.approx(want, rel=1e-4)
+    d = delta(wan, before)
+    assert d["blocking_reads"] == 4  # exactly one round trip a step: the .item()
+    input_bytes = batch(0).nbytes
+    assert d["bytes_sent"] / 4 <= input_bytes + 2048, d
+
+    before = wan.stats()
+    unread = [step(batch(i), read=False) for i in range(6, 10)]
+    assert delta(wan, before)["blocking_reads"] == 0  # nothing read: nothing waited for
+    for loss, ref_loss in unread:  # read afterwards, they are each step's own losses
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-4)
+    wan.pull(model)
+    torch.testing.assert_close(dict(model.named_parameters()), dict(reference.named_parameters()),
+                               rtol=1e-4, atol=1e-5)
+
+
+def branchy(x, w):
+    h = torch.tanh(x @ w)
+    if h.sum() > 0:  # a read: data-dependent control flow, and a graph break
+        h = h * 2
+    return (h @ w.t()).relu()
+
+
+def test_a_function_with_a_data_dependent_branch_waits_for_its_branch_and_its_result(wan):
+    f = remotorch.compile(branchy, session=wan, fallback="raise")
+    w = torch.randn(32, 32)
+    xs = [torch.randn(8, 32) * (1 if i % 2 else -1) for i in range(8)]
+    with torch.no_grad():
+        for x in xs[:2]:
+            torch.testing.assert_close(f(x, w), branchy(x, w), rtol=0, atol=0)
+        before = wan.stats()
+        for x in xs[2:]:  # both branches taken, repeatedly, equal to eager
+            torch.testing.assert_close(f(x, w), branchy(x, w), rtol=0, atol=0)
+    assert delta(wan, before)["blocking_reads"] == 2 * 6  # the branch's read and the result's
+
+
+def test_a_warm_inference_call_whose_output_is_read_waits_once(wan):
+    model = tiny_mlp(64, 128, 10).eval()
+    f = remotorch.compile(model, session=wan, fallback="raise")
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        f(x).sum().item()
+        before = wan.stats()
+        for _ in range(5):
+            torch.testing.assert_close(f(x), model(x), rtol=0, atol=0)
+    assert delta(wan, before)["blocking_reads"] == 5
+
+
+def test_greedy_generate_waits_once_per_token(wan):
+    model = tiny_gpt2(3).eval()
+    model.forward = remotorch.compile(model.forward, session=wan, fallback="raise", dynamic=True)
+    prompt = batch(7)[:1, :8]
+    with torch.no_grad():
+        model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)  # compiles
+        before = wan.stats()
+        out = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    reads = delta(wan, before)["blocking_reads"]
+    reference = tiny_gpt2(3).eval()
+    with torch.no_grad():
+        want = reference.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, want)
+    assert reads <= 12 + 1, reads  # one round trip per token (HF reads its stop check each token)
+
+
+# -------------------------------------------------------------------- late errors
+def test_a_failure_inside_a_queued_step_is_raised_at_the_read_naming_graph_and_line_and_the_next_step_works(wan):
+    model = tiny_gpt2(5)
+    f = remotorch.compile(model, session=wan, fallback="raise")
+    opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), lr=0.1, session=wan)
+    good = batch(11)
+    for _ in range(2):
+        loss = f(good, labels=good).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss.item()
+    bad = good.clone()
+    bad[0, 3] = 500  # past the embedding's 128 rows: the worker's graph raises
+    loss = f(bad, labels=good).loss  # line that issued the failing graph
+    with pytest.raises(errors.WorkerError, match=r"graph [0-9a-f]{12} \(issued at .*test_wan\.py:\d+") as caught:
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss.item()
+    assert "index out of range" in str(caught.value)
+    wan.synchronize()  # raised once: the session goes on
+    loss = f(good, labels=good).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    assert torch.isfinite(loss).item()
+
+
+def test_a_failure_nobody_read_is_raised_at_synchronize_and_close(relay):
+    s = remotorch.Session(relay.url, token=TOKEN)
+    f = remotorch.compile(lambda x: torch.nn.functional.embedding(x, torch.randn(4, 3)).sum(), session=s,
+                          fallback="raise")
+    f(torch.tensor([0, 1])).item()
+    f(torch.tensor([0, 9]))  # fails on the worker; nobody reads it
+    with pytest.raises(errors.WorkerError, match="issued at"):
+        s.synchronize()
+    s.synchronize()  # reported once
+    f(torch.tensor([0, 9]))
+    with pytest.raises(errors.WorkerError, match="issued at"):
+        s.close()
+    assert s.closed
+
+
+# ------------------------------------------------------------------------ faults
+def test_a_link_cut_mid_queue_applies_no_step_twice_and_loses_none(relay, session_for):
+    s = session_for(relay.url)
+    model = tiny_mlp(16, 32, 1)
+    reference = copy.deepcopy(model)
+    f = remotorch.compile(lambda x, y: F.mse_loss(model(x), y), session=s, fallback="raise")
+    opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), lr=0.05, momentum=0.9, session=s)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    data = [(torch.randn(8, 16, generator=torch.Generator().manual_seed(i)),
+             torch.randn(8, 1, generator=torch.Generator().manual_seed(100 + i))) for i in range(12)]
+    losses, want = [], []
+    for i, (x, y) in enumerate(data):
+        loss = f(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss)
+        ref = F.mse_loss(reference(x), y)
+        ref.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append(ref.item())
+        if i in (4, 8):
+            relay.cut()  # everything in flight either way is lost; the client reconnects and sends it again
+    got = [loss.item() for loss in losses]
+    assert got == pytest.approx(want, rel=1e-5)  # step by step: none lost, none applied twice
+    s.pull(model)
+    torch.testing.assert_close(dict(model.named_parameters()), dict(reference.named_parameters()))
+
+
+def test_a_worker_that_dies_mid_queue_is_raised_at_the_next_read_naming_what_was_lost(start_server, session_for):
+    srv = start_server(name="dies")
+    with DelayProxy(srv.url, delay_ms=DELAY_MS) as proxy:
+        s = session_for(proxy.url, retry_after=0.0)
+        model = tiny_mlp(16, 8)
+        f = remotorch.compile(model, session=s, fallback="raise")
+        x = torch.randn(4, 16)
+        with torch.no_grad():
+            f(x).sum().item()
+            ys = [f(x) for _ in range(3)]
+            srv.stop()
+            with pytest.raises(errors.WorkerUnavailableError, match=r"lost with it: graph [0-9a-f]{12}"):
+                ys[-1].sum().item()
+
+
+# -------------------------------------------------------------------- the bound
+def test_a_loop_that_never_reads_stays_within_its_bound(relay, session_for):
+    limits = remotorch.QueueLimits(requests=8)
+    s = session_for(relay.url, queue=limits)
+    model = tiny_mlp(16, 32, 1)
+    f = remotorch.compile(lambda x, y: F.mse_loss(model(x), y), session=s, fallback="raise")
+    opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), lr=0.01, session=s)
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    f(x, y).item()
+    stream = s.connection.link.stream
+    held = []
+    for _ in range(40):
+        loss = f(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert len(stream.inflight) <= limits.requests
+        held.append(s.connection.handles.live)
+    assert s.stats()["queue_waits"] > 0  # the bound held the loop back
+    assert max(held[10:]) <= max(held[:10]) + 2  # nothing piles up on the worker either
+    s.synchronize()
