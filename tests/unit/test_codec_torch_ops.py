@@ -122,3 +122,23 @@ def test_calls_among_placeholders_move_after_the_last_one_and_nothing_else_moves
     _placeholders_first(gm)
     assert [n.op for n in gm.graph.nodes] == ["call_function", "output"]
     assert torch.equal(gm(), torch.ones(3))
+
+
+def test_engines_that_trace_again_get_the_graph_without_effect_tokens():
+    from remotorch.worker.engines.effects import without_effect_tokens
+
+    a = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    spd = a @ a.T + 4 * torch.eye(4)
+    module = decoded(effectful_graph(torch.linalg.cholesky, spd))[1]
+    plain = without_effect_tokens(module)
+    targets = [n.target for n in plain.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten._linalg_check_errors.default in targets  # the effectful operator stays, in its place
+    assert not {torch.ops.higher_order.with_effects, torch.ops.prims._make_token.default,
+                torch.ops.prims._sink_tokens.default} & set(targets)
+    assert torch.ops.higher_order.with_effects in [n.target for n in module.graph.nodes]  # a copy: unchanged
+    # dynamo traces it whole (it cannot trace with_effects), and aot_autograd threads the tokens again
+    compiled = torch.compile(plain, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(spd)[0], module(spd)[0])
+    with pytest.raises(torch.linalg.LinAlgError):
+        plain(-spd)
+    assert without_effect_tokens(plain) is plain  # nothing to take out: itself

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import torch
 
+from .effects import without_effect_tokens
+
 
 def available(device: torch.device) -> bool:
     return device.type in ("cpu", "cuda")
 
 
 def compile(graph, device: torch.device, example_args, artifacts=None):
-    module = graph.module.to(device)
+    module = without_effect_tokens(graph.module).to(device)  # (dynamo cannot trace with_effects)
     dynamic = any(meta.get("kind") == "scalar" for meta in graph.inputs) or None
     compiled = torch.compile(module, backend="inductor", dynamic=dynamic, fullgraph=True)
     with torch.no_grad():
