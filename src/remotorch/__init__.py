@@ -15,12 +15,15 @@ from . import optim  # RemoteOptimizer: torch.optim on the worker
 from .capture.backend import compile, remotorch_backend
 from .profile import accelerate, explain, remote_profile
 from .client.session import Session, default_session
+from .client.stream import QueueLimits
+from .client.trace import trace
 from .capture import backend as _backend
 from .training.client import TrainingClient as _TrainingClient
 from .training.writes import install_optimizer_hooks as _install_optimizer_hooks, mark_changed
 from .devtools import models  # example models (``from remotorch import models``)
 
-__all__ = ["Session", "accelerate", "compile", "default_session", "errors", "explain", "mark_changed", "models", "optim",
+__all__ = ["QueueLimits", "Session", "accelerate", "compile", "default_session", "errors", "explain", "mark_changed",
+           "models", "optim", "trace",
            "parallel", "pipeline", "remote_profile", "remotorch_backend"]
 __version__ = "0.1.0"
 

@@ -28,6 +28,12 @@ transformers = pytest.importorskip("transformers")
 DELAY_MS = 5
 
 
+def _line() -> int:
+    """The caller's line number."""
+    import sys
+    return sys._getframe(1).f_lineno
+
+
 @pytest.fixture(scope="module")
 def relay(server):
     with DelayProxy(server.url, delay_ms=DELAY_MS) as proxy:
@@ -71,31 +77,31 @@ def test_a_training_step_that_reads_its_loss_waits_once_and_one_that_reads_nothi
         loss.backward()
         opt.step()
         opt.zero_grad()
+        return loss.item() if read else loss
+
+    def reference_step(b) -> float:
         ref_loss = reference(b, labels=b).loss
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        return (loss.item(), ref_loss.item()) if read else (loss, ref_loss)
+        return ref_loss.item()
 
-    for i in range(2):  # cold: uploads, compiles
-        step(batch(i), read=True)
+    got = [step(batch(i), read=True) for i in range(2)]  # cold: uploads, compiles
     before = wan.stats()
-    for i in range(2, 6):
-        got, want = step(batch(i), read=True)
-        assert got == pytest.approx(want, rel=1e-4)
+    got += [step(batch(i), read=True) for i in range(2, 6)]
     d = delta(wan, before)
     assert d["blocking_reads"] == 4  # exactly one round trip a step: the .item()
-    input_bytes = batch(0).nbytes
-    assert d["bytes_sent"] / 4 <= input_bytes + 2048, d
+    # what a step sends: its inputs (the tokens, twice: as input and as labels) and about 1 KiB
+    assert d["bytes_sent"] / 4 <= 2 * batch(0).nbytes + 1024, d
 
     before = wan.stats()
     unread = [step(batch(i), read=False) for i in range(6, 10)]
     assert delta(wan, before)["blocking_reads"] == 0  # nothing read: nothing waited for
-    for loss, ref_loss in unread:  # read afterwards, they are each step's own losses
-        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-4)
-    wan.pull(model)
+    got += [loss.item() for loss in unread]  # read afterwards, each is its own step's loss
+    assert got == pytest.approx([reference_step(batch(i)) for i in range(10)], rel=1e-4)
+    wan.pull(model)  # (AdamW: a tiny gradient's sign decides a whole step, hence the conformance suite's 1e-4)
     torch.testing.assert_close(dict(model.named_parameters()), dict(reference.named_parameters()),
-                               rtol=1e-4, atol=1e-5)
+                               rtol=1e-4, atol=1e-4)
 
 
 def branchy(x, w):
@@ -160,8 +166,9 @@ def test_a_failure_inside_a_queued_step_is_raised_at_the_read_naming_graph_and_l
         loss.item()
     bad = good.clone()
     bad[0, 3] = 500  # past the embedding's 128 rows: the worker's graph raises
-    loss = f(bad, labels=good).loss  # line that issued the failing graph
-    with pytest.raises(errors.WorkerError, match=r"graph [0-9a-f]{12} \(issued at .*test_wan\.py:\d+") as caught:
+    loss = f(bad, labels=good).loss  # the line that issued the failing graph, named in the error
+    line = f"test_wan.py:{_line() - 1} in test_a_failure"
+    with pytest.raises(errors.WorkerError, match=r"depends on graph [0-9a-f]{12} \(issued at .*" + line) as caught:
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -231,12 +231,13 @@ class Link:
 
     def _post(self, header: bytes, frames: Sequence) -> None:
         progress, self._progress = self._progress, None
+        was_connected = self.transport.connected
         try:
             self.transport.post(header, frames, progress=progress)
         except errors.WorkerUnavailableError:
-            if not self.transport.connected:  # no worker answered: do not try again at once
+            if not was_connected:  # no worker answered the connect: do not try again at once
                 self._down_until = time.monotonic() + self._retry_after
-            raise
+            raise  # (a connection that dropped is the stream's to open again)
 
     def settle(self, until: Launched | None = None) -> None:
         """Read the replies of launched calls, oldest first (all of them, or up to ``until``)."""

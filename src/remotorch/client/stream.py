@@ -108,6 +108,11 @@ class Launched:
         raise _named(root.error if root.error is not None else exc, root, self) from exc
 
 
+def _root(launched: Launched) -> Launched:
+    """The failure a failed call's error comes from (itself, or the one it depended on)."""
+    return getattr(launched.error, "launched_root", None) or launched
+
+
 def _named(exc: errors.RemoteError, root: Launched, dependent: Launched) -> errors.RemoteError:
     """The error as the user sees it: the root failure's type, what failed, the line that issued it,
     and the worker's text (and, for a request that failed because of it, that one too)."""
@@ -233,7 +238,7 @@ class Stream:
             self.blocking_reads += 1
             while self.inflight:
                 self._settle_one()
-        pending = [f for f in self.unreported if not f.reported]
+        pending = [f for f in self.unreported if not _root(f).reported]
         self.unreported.clear()
         if pending:
             first = pending[0]
@@ -245,7 +250,7 @@ class Stream:
     def raise_effects(self, before: int | None = None) -> None:
         """Raise the first failure of a request that made no value (sent before seq ``before``)."""
         for failed in self.unreported:
-            if failed.effect and not failed.reported and (before is None or failed.seq < before):
+            if failed.effect and not _root(failed).reported and (before is None or failed.seq < before):
                 self.unreported = [f for f in self.unreported if f is not failed]
                 failed.raise_error()
 
@@ -253,7 +258,11 @@ class Stream:
         """Read the replies that are here already, without waiting; whether any was."""
         got = False
         while self.inflight:
-            message = self._ready()
+            try:
+                message = self._ready()
+            except errors.TransportError:  # the connection dropped: send what is in flight again
+                self._recover()
+                return got
             if message is None:
                 return got
             self._take(self.inflight.popleft(), message)
@@ -332,13 +341,19 @@ class Stream:
             self._lose(todo, exc)
 
     def _lose(self, todo: list[Launched], exc: errors.RemoteError) -> None:
-        lost = ", ".join(f"{l.what} ({origins.first_line(l.origin) or 'remotorch'})" for l in todo[:8])
-        more = f" and {len(todo) - 8} more" if len(todo) > 8 else ""
+        """Every request in flight failed with the connection: one failure, raised once, naming them."""
+        counts: dict[str, int] = {}
+        for launched in todo:
+            key = f"{launched.what} ({origins.first_line(launched.origin) or 'remotorch'})"
+            counts[key] = counts.get(key, 0) + 1
+        lost = ", ".join(f"{k} x{n}" if n > 1 else k for k, n in list(counts.items())[:8])
+        more = f" and {len(counts) - 8} more" if len(counts) > 8 else ""
+        error = errors.WorkerUnavailableError(f"{exc.message}; lost with it: {lost}{more}")
         for launched in todo:
             self.inflight.remove(launched)
             self._leave(launched)
-            error = errors.WorkerUnavailableError(f"{exc.message}; lost with it: {lost}{more}")
-            self._failed(launched, error)
+            self._failed(launched, copy.copy(error))
+            launched.error.launched_root = todo[0]  # one failure: reported once, whichever is read
             launched.effect = True  # every later read must hear of it: state on the worker is gone
             launched.done = True
 
