@@ -296,6 +296,7 @@ def check(info, sample, case: Case, session) -> Result:
         compiled = torch.compile(call.function(), backend="remotorch",
                                  options={"session": session, "fallback": "raise"})
         have = call.run(compiled)
+        session.synchronize()  # every request answered (a run nothing read is counted, or its failure raised)
     except Exception as exc:
         return result(DIFFERS, describe(exc))
     if session.stats()["remote_calls"] == before:
