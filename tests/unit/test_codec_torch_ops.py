@@ -142,3 +142,22 @@ def test_engines_that_trace_again_get_the_graph_without_effect_tokens():
     with pytest.raises(torch.linalg.LinAlgError):
         plain(-spd)
     assert without_effect_tokens(plain) is plain  # nothing to take out: itself
+
+
+def test_one_hots_class_checks_run_on_a_cpu_worker_and_are_refused_on_an_accelerator():
+    from torch._functorch.aot_autograd import aot_function
+
+    from remotorch.worker import engines
+
+    graphs = []
+    aot_function(lambda t: torch.nn.functional.one_hot(t, 4), fw_compiler=lambda gm, ex: graphs.append(gm) or gm)(
+        torch.tensor([0, 2, 1]))
+    assert torch.ops.aten._assert_async.msg in [n.target for n in graphs[0].graph.nodes]
+    graph = decode_graph(encode_graph(graphs[0]).doc, [], CPU)
+    eager = engines.load("eager")
+    run = engines.compile_graph(eager, graph, CPU, [torch.tensor([0, 2, 1])], None)
+    assert torch.equal(run(torch.tensor([3, 0]))[0], torch.nn.functional.one_hot(torch.tensor([3, 0]), 4))
+    with pytest.raises(RuntimeError, match="smaller than num_classes"):  # the check runs: a plain error here
+        run(torch.tensor([4]))
+    with pytest.raises(UnsupportedGraphError, match="_assert_async"):  # a device-side assertion there
+        engines.compile_graph(eager, graph, torch.device("cuda"), [torch.tensor([0])], None)

@@ -86,9 +86,12 @@ CORE_NAMESPACES = frozenset({"aten", "prims"})
 # torch that registers it on import (a fixed name here, never one from the wire).
 TORCH_NAMESPACES: dict[str, str] = {"torch_nn": "torch.nn.modules.linear_cross_entropy"}
 # Ops that reach outside the tensor world (files, process state) are refused
-# even though they live in aten.
-DENIED_OPS = frozenset({"aten::from_file", "aten::_print", "aten::set_", "aten::_assert_async",
+# even though they live in aten. (``aten::_assert_async``, what ``one_hot`` checks its
+# classes with, is a plain check on a CPU; on an accelerator a failing one is a device-side
+# assertion, which leaves the device unusable: worker/engines refuses it there.)
+DENIED_OPS = frozenset({"aten::from_file", "aten::_print", "aten::set_",
                         "aten::save", "aten::_debug_has_internal_overlap"})
+DEVICE_ASSERTS = frozenset({"aten::_assert_async", "aten::_functional_assert_async"})
 IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 FLAG = "remotorch serve --allow-ops"
 

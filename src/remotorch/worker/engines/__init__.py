@@ -24,6 +24,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+import torch.fx
+
+from ...codec.ops import DEVICE_ASSERTS
+from ...errors import UnsupportedGraphError
 
 ENGINE_MODULES = {
     "eager": "remotorch.worker.engines.eager",
@@ -73,9 +77,23 @@ class Artifacts:
 def compile_graph(engine: Engine, graph, device: torch.device, example_args, artifacts: Artifacts | None):
     """``engine.compile(...)``, with ``artifacts`` only for an engine whose ``compile`` takes them
     (an engine written before the disk cache takes three arguments, and still works)."""
+    refuse_device_asserts(graph.module, device)
     if artifacts is not None and "artifacts" in inspect.signature(engine.compile).parameters:
         return engine.compile(graph, device, example_args, artifacts=artifacts)
     return engine.compile(graph, device, example_args)
+
+
+def refuse_device_asserts(module: torch.fx.GraphModule, device: torch.device) -> None:
+    """Refuse, on an accelerator, a graph calling ``aten._assert_async`` (``one_hot`` checks its classes
+    with it): there a failing one is a device-side assertion, which leaves the device unusable for
+    every session of the worker. On a CPU it is a plain check, which raises."""
+    if device.type == "cpu":
+        return
+    for node in (n for m in module.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes):
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
+                node.target._schema.name in DEVICE_ASSERTS:
+            raise UnsupportedGraphError(f"operation {node.target._schema.name} is refused on a {device.type} "
+                                        f"worker (a failing one would leave the device unusable)")
 
 
 def cache_counts() -> dict[str, int]:
