@@ -125,7 +125,7 @@ def test_frozen_worker_gives_unavailable_within_the_timeout(start_server):
         try:
             start = time.monotonic()
             with pytest.raises(errors.WorkerUnavailableError, match="did not answer"), torch.no_grad():
-                probe.compiled(probe.x)
+                probe.compiled(probe.x).sum().item()  # a warm call is sent without waiting: its read waits
             assert time.monotonic() - start < 5
         finally:
             os.kill(srv.proc.pid, signal.SIGCONT)
@@ -248,7 +248,7 @@ def test_restarted_worker_gets_everything_again_transparently(start_server):
         probe()
         srv.stop()
         with pytest.raises(errors.WorkerUnavailableError), torch.no_grad():
-            probe.compiled(probe.x)
+            probe.compiled(probe.x).sum().item()  # a warm call is sent without waiting: its read says
         srv2 = start_server(name="second", extra_args=("--port", str(port)))
         for _ in range(3):
             probe()

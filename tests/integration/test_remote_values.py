@@ -164,9 +164,11 @@ def test_an_output_read_once_comes_back_directly_afterwards(session):
         first = f(x)
         assert first.is_remote
         first.sum().item()  # Python reads this output
-        second = f(x)
-    assert type(second) is torch.Tensor  # sent back at once: no second round trip
-    assert torch.equal(second, torch.tanh(x) * 3)
+        fetched = session.stats()["values_fetched"]
+        second = f(x)  # sent without waiting: its reply brings this output back (no Fetch of its own)
+        assert torch.equal(second, torch.tanh(x) * 3)
+    assert not second.is_remote
+    assert session.stats()["values_fetched"] == fetched
 
 
 # ------------------------------------------------------------------ generation
@@ -350,11 +352,11 @@ def holding(start_module_server):
 def test_launched_calls_return_before_the_worker_answers(holding):
     import time
 
-    with remotorch.Session(holding.url, token=TOKEN, async_calls=True) as s:
+    with remotorch.Session(holding.url, token=TOKEN) as s:
         f = compile_raise(lambda a: a * 2 + 1, s, engine="hold:0.3")
         x = torch.randn(64, 64)
         with torch.no_grad():
-            f(f(x))  # the first calls wait: they learn the outputs' layout
+            f(f(x))  # the first call waits (upload, compile); the next are sent without waiting
             start = time.monotonic()
             y = x
             for _ in range(5):
@@ -372,7 +374,7 @@ def test_launched_calls_return_before_the_worker_answers(holding):
 
 def test_a_launched_call_that_fails_raises_at_the_read_with_its_graph(start_server):
     srv = start_server(name="doomed-async", extra_args=("--engines", "eager,hold:0.5"))
-    with remotorch.Session(srv.url, token=TOKEN, async_calls=True, retry_after=0.0) as s:
+    with remotorch.Session(srv.url, token=TOKEN, retry_after=0.0) as s:
         f = compile_raise(lambda a: a - 3, s, engine="hold:0.5")
         x = torch.randn(64, 64)
         with torch.no_grad():

@@ -313,4 +313,15 @@ def compile(fn, *, session=None, engine: str = "eager", fallback: str = "local",
         raise ValueError(f"custom_ops must be one of {CUSTOM_OPS}, got {custom_ops!r}")
     backend = functools.partial(remotorch_backend, session=session, engine=engine, fallback=fallback,
                                 worker=worker, custom_ops=custom_ops)
+    if isinstance(fn, torch.nn.Module):
+        fn.register_state_dict_pre_hook(functools.partial(_refresh_before_state_dict, session))
     return torch.compile(fn, backend=backend, dynamic=dynamic)
+
+
+def _refresh_before_state_dict(session, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+    """``module.state_dict()`` gives the trained values: the parameters an optimizer stepped on a
+    worker come back first (a read: it waits for the steps sent before it)."""
+    runner = session if session is not None else (default_runner() if default_runner is not None else None)
+    refresh = getattr(runner, "refresh", None)
+    if refresh is not None:
+        refresh(module)

@@ -148,8 +148,11 @@ class RemoteTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():
-            # dynamo is inlining this while it traces user code: behave as a plain tensor
+        if torch.compiler.is_dynamo_compiling() or (torch.compiler.is_compiling()
+                                                    and torch._guards.TracingContext.try_get() is not None):
+            # dynamo is inlining this while it traces user code (or this thread is tracing): behave as a
+            # plain tensor. torch.compiler.is_compiling() alone is one flag for the whole process: true
+            # while another thread compiles, when this one must read the value
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         return _dynamo_hooks()(func, args, kwargs)
@@ -173,12 +176,12 @@ class RemoteTensor(torch.Tensor):
         if base is not None and (full or overlapping or "_rt_ref" not in base.__dict__):
             RemoteTensor.materialize_(base)  # fills the shared local buffer
         else:
-            ref.check()
-            if "_rt_ref" not in self.__dict__:
-                return self  # its call's reply brought the value: filled
-            if not ref.handle:
-                raise errors.ProtocolError("the worker's reply did not carry a value it was to send")
             try:
+                ref.check()  # waits for the call that makes it; raises its failure
+                if "_rt_ref" not in self.__dict__:
+                    return self  # its call's reply brought the value: filled
+                if not ref.handle:
+                    raise errors.ProtocolError("the worker's reply did not carry a value it was to send")
                 real = ref.conn.fetch(arg_of(self))  # raises a RemoteError: then nothing changes here
             except _LOST as exc:
                 if ref.recompute is None:

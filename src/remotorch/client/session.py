@@ -358,6 +358,16 @@ class Session:
         """
         return sum(t.pull(module, grads) for t in list(self._trainers.values()))
 
+    def refresh(self, module: torch.nn.Module) -> int:
+        """Bring back into ``module`` the parameters an optimizer stepped on a worker (only those).
+
+        A read: it waits for the steps sent before it. ``state_dict()`` of a
+        module compiled with :func:`remotorch.compile` calls it first. Returns
+        how many tensors were copied.
+        """
+        tensors = [*module.parameters(), *module.buffers()]
+        return sum(t.refresh_local(tensors) for t in list(self._trainers.values()) if not t.closed)
+
     def flush_releases(self) -> None:
         """Tell the workers now about freed values, activations, parameters and optimizers.
 

@@ -171,12 +171,15 @@ class Stream:
             tracer.issued(self.name, launched)
         try:
             self._post(header, launched.message[1])
-        except errors.TransportError:
+        except errors.RemoteError as exc:
             if alone:  # nothing else in flight: this request failed by itself, and says so now
                 self.inflight.pop()
                 self._leave(launched)
                 raise
-            self._recover()
+            if isinstance(exc, errors.TransportError):  # the connection dropped: send it all again
+                self._recover()
+            else:  # a new connection was refused (a token no longer accepted): all is lost
+                self._lose(list(self.inflight), exc)
         if self.blocking:
             self.wait(launched, read=False)
         else:
@@ -273,8 +276,11 @@ class Stream:
         launched = self.inflight[0]
         try:
             message = self._collect()
-        except errors.TransportError:
-            self._recover()
+        except errors.TransportError as exc:
+            if getattr(exc, "timed_out", False):  # the worker did not answer in time: everything in flight
+                self._lose(list(self.inflight), exc)  # is lost (it may still run, but nobody will hear of it)
+            else:
+                self._recover()
             return
         self.inflight.popleft()
         self._take(launched, message)
@@ -348,7 +354,9 @@ class Stream:
             counts[key] = counts.get(key, 0) + 1
         lost = ", ".join(f"{k} x{n}" if n > 1 else k for k, n in list(counts.items())[:8])
         more = f" and {len(counts) - 8} more" if len(counts) > 8 else ""
-        error = errors.WorkerUnavailableError(f"{exc.message}; lost with it: {lost}{more}")
+        error = copy.copy(exc)  # its type: unavailable, refused, ...
+        error.message = f"{exc.message}; lost with it: {lost}{more}"
+        error.args = (error.message,)
         for launched in todo:
             self.inflight.remove(launched)
             self._leave(launched)

@@ -55,7 +55,9 @@ _MAPPED = (socket.timeout, ssl.SSLError, FramingError, OSError, ConnectionError)
 def _mapped(exc: BaseException, url: str, timeout: float | None) -> Exception:
     """A socket, TLS or framing failure as the ``remotorch.errors`` type it means."""
     if isinstance(exc, socket.timeout):
-        return WorkerUnavailableError(f"worker at {url} did not answer within {timeout}s")
+        timed_out = WorkerUnavailableError(f"worker at {url} did not answer within {timeout}s")
+        timed_out.timed_out = True  # alive, perhaps, but not answering: not a connection to open again
+        return timed_out
     if isinstance(exc, ssl.SSLCertVerificationError):
         return AuthenticationError(f"{url}: the worker's TLS certificate is not trusted: {exc.verify_message}")
     if isinstance(exc, ssl.SSLError):
