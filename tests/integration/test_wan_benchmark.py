@@ -1,0 +1,56 @@
+"""Smoke test of ``benchmarks/wan.py``: a quick run completes and prints its table.
+
+The benchmark runs as a user runs it (a fresh process, ``--quick``: RTT 2 ms
+through the delay proxy, two timed units per case, remotorch only, no Ray or
+torch RPC), on the cases that compile fast (generate and the local-optimizer
+step are left out to keep this cheap). Its figures are timings and are not
+judged here; the test checks that every case ran or, for the two-worker
+cases, reported why it did not, that every figure is a finite number, and
+that every remote result matched the local one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+from helpers import REPO
+
+SCRIPT = REPO / "benchmarks" / "wan.py"
+ONE_WORKER = ("train", "train10", "branch", "infer")
+TWO_WORKERS = ("dp", "pipeline")
+
+
+def test_quick_run_prints_its_table_with_a_row_per_case(tmp_path):
+    out = tmp_path / "wan.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REMOTORCH_", "RAY_ADDRESS"))}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--cases", ",".join(ONE_WORKER + TWO_WORKERS),
+                           "--json", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode in (0, 1), f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    data = json.loads(out.read_text())
+    assert data["quick"] is True and data["rtts_ms"] == [2.0] and len(data["runs"]) == 1
+    rows = {r["case"]: r for r in data["runs"][0]}
+    assert {r["system"] for r in data["runs"][0]} == {"remotorch"}  # no peers in a quick run
+    failed = data.get("failed", {})
+    assert set(ONE_WORKER) <= set(rows), rows.keys()
+    assert set(TWO_WORKERS) <= set(rows) | set(failed)
+    for case, row in rows.items():
+        for key in ("remote_ms", "local_ms", "over_rtt", "requests_per_step", "bytes_sent_per_step",
+                    "bytes_received_per_step", "blocking_reads_per_step", "wire_up_per_step"):
+            assert math.isfinite(row[key]), (case, key, row)
+        assert row["remote_ms"] > 0 and row["local_ms"] > 0 and row["requests_per_step"] > 0, (case, row)
+        assert row["bytes_sent_per_step"] > 0 and row["bytes_received_per_step"] > 0, (case, row)
+        assert row["max_diff"] is not None and row["max_diff"] <= 1e-2, (case, row)
+    assert rows["train10"]["per"] == 10
+    # the table: a header, and a line per case that ran (a FAILED line for one that did not)
+    assert "case / system" in proc.stdout and "(r-l)/RTT" in proc.stdout
+    for case in ONE_WORKER + TWO_WORKERS:
+        title = data["cases"][case]
+        assert title in proc.stdout, title
+        if case in failed:
+            assert f"{title}: FAILED" in proc.stdout
+    # no RTT of 20 ms was measured, so no target was judged, and the exit status says whether a case failed
+    assert data["targets"] == [] and (proc.returncode == 0) == (not failed)
