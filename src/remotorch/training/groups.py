@@ -18,7 +18,6 @@ from .. import errors
 from ..client.connection import Connection
 from ..client.link import Launched
 from ..codec import messages as m
-from ..client.pool import run_all
 
 _ids = itertools.count(1)  # group ids: unique among this process's groups, so within every worker session
 
@@ -65,9 +64,6 @@ class WorkerGroup:
         """
         if self.broken is not None:
             raise errors.GroupError(f"this group broke earlier ({self.broken}); form a new one")
-        if not all(c.link.can_launch for c in self.members):  # a transport that cannot post: a thread each
-            return self._run(lambda: run_all([lambda c=c, b=b: c.request(b, expect=expect)[0]
-                                              for c, b in zip(self.members, bodies)]))
         replies: list = [None] * self.world
         sent = []
         try:
@@ -79,6 +75,8 @@ class WorkerGroup:
             for conn, done in sent:
                 conn.link.settle(done)
         failures = [done.error for _, done in sent if done.error is not None]
+        for _, done in sent:
+            done.reported = True  # raised here (as the group's failure), not again at synchronize()
         if failures or len(sent) < self.world:
             failures.sort(key=lambda exc: isinstance(exc, errors.GroupError))
             self.broken = failures[0] if failures else errors.GroupError("a member could not be asked")
