@@ -81,8 +81,8 @@ import torch  # noqa: E402
 
 import remotorch  # noqa: E402
 from remotorch.client.embedded import spawn_worker  # noqa: E402
-from remotorch.devtools.netem import DelayProxy  # noqa: E402
 from _wan import workload  # noqa: E402
+from _wan.netproc import Network  # noqa: E402
 from _wan.cases import CASES, inference_cases, training_cases, two_worker_cases  # noqa: E402
 from _wan.report import judge, print_table, print_targets  # noqa: E402
 from _wan.timing import echo_rtt, measure, summarize, warm  # noqa: E402
@@ -94,22 +94,11 @@ def say(*args) -> None:
     print(*args, flush=True)
 
 
-class Network:
-    """The proxies of a phase: made on demand, all set to one delay, closed with the phase."""
-
-    def __init__(self, stack: contextlib.ExitStack) -> None:
-        self.stack = stack
-        self.proxies: list[DelayProxy] = []
-
-    def proxy(self, target) -> DelayProxy:
-        p = DelayProxy(target, delay_ms=0.0)
-        self.stack.callback(p.close)
-        self.proxies.append(p)
-        return p
-
-    def set_rtt(self, rtt_ms: float) -> None:
-        for p in self.proxies:
-            p.set_delay(rtt_ms / 2)
+def _network(stack: contextlib.ExitStack) -> Network:
+    """The phase's proxies, in a process of their own (``_wan/netproc.py`` says why)."""
+    net = Network()
+    stack.callback(net.close)
+    return net
 
 
 def start_workers(stack: contextlib.ExitStack, token: str, n: int) -> list[str]:
@@ -161,7 +150,7 @@ def run_rtts(args, units, net: Network | None, echo=None, info: dict | None = No
 def phase_remotorch(args, info: dict) -> list[list[dict]]:
     """remotorch's cases (and pickle/zmq's, whose server sits idle between its turns)."""
     with contextlib.ExitStack() as stack:
-        net = Network(stack)
+        net = _network(stack)
         token = secrets.token_hex(16)
         two = bool({"dp", "pipeline"} & set(args.cases))
         t0 = time.perf_counter()
@@ -234,7 +223,7 @@ def phase_rpc(args, info: dict) -> list[list[dict]]:
     from _wan.peers import RpcPeer
 
     with contextlib.ExitStack() as stack:
-        net = Network(stack)
+        net = _network(stack)
         peer = RpcPeer(stack, net.proxy)
         units = peer.units([c for c in args.cases if c in PEER_CASES])
         for unit in units:

@@ -170,7 +170,7 @@ def _redirecting_store(inner, proxy):
             if key.endswith("/addrs/server"):  # TensorPipe's address of the worker named "server"
                 scheme, addr = bytes(value).decode().split("://")
                 host, port = addr.rsplit(":", 1)
-                proxy.target = (host, int(port))
+                proxy.aim(host, int(port))
                 self.redirected = True
                 return f"{scheme}://127.0.0.1:{proxy.port}".encode()
             return value

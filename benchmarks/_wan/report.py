@@ -26,14 +26,15 @@ def print_table(rows: list[dict], say) -> None:
         say(f"  {title}")
         systems = list(dict.fromkeys(r["system"] for r in mine))
         for system in systems:
-            for r in sorted((r for r in mine if r["system"] == system), key=lambda r: r["rtt_ms"]):
+            theirs = sorted((r for r in mine if r["system"] == system), key=lambda r: r["rtt_ms"])
+            for r in theirs:
                 up, down = client_bytes(r)
                 say(f"    {system:42s} {r['rtt_ms']:4g} {r['remote_ms']:8.2f} {r['local_ms']:7.2f} "
                     f"{r['over_rtt']:9.3f} {_num(r.get('blocking_reads_per_step'), 6, 2)} "
                     f"{_num(r.get('requests_per_step'), 5, 1)} {_num(r.get('queue_waits_per_step'), 5, 2)} "
                     f"{_num(up, 7, 0)} {_num(down, 8, 0)}")
-        for note in dict.fromkeys(r["note"] for r in mine if r["note"]):
-            say(f"      ({note})")
+            if theirs[0]["note"]:
+                say(f"      ({theirs[0]['note']})")
 
 
 def client_bytes(row: dict) -> tuple[float | None, float | None]:

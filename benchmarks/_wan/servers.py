@@ -7,9 +7,8 @@ ready line on standard output. One intra-op thread per process.
 - ``zmq``: pickle over pyzmq REQ/REP, the seed pattern called per graph:
   ``("forward", batch)`` runs the forward and answers the loss,
   ``("backward", None)`` and ``("step", None)`` (the optimizer's step and
-  ``zero_grad``) answer ``None``; ``("infer", x)`` answers the MLP's output,
-  ``("reset", None)`` starts from fresh weights. It unpickles whatever it is
-  sent. Ready line: the port.
+  ``zero_grad``) answer ``None``; ``("infer", x)`` answers the MLP's output.
+  It unpickles whatever it is sent. Ready line: the port.
 - ``rpc PORT``: rank 1 ("server") of a torch RPC group of two whose rank 0
   (the benchmark) hosts the store at 127.0.0.1:PORT, TensorPipe on its TCP
   transport (``uv``) and ``basic`` channel only, so every byte goes over the
@@ -46,16 +45,12 @@ def _state() -> StepServer:
 
 
 def rpc_whole_step(seq: int, b: torch.Tensor) -> float:
-    """torch RPC: one whole training step (the ``seq``-th since the last reset); its loss."""
+    """torch RPC: one whole training step (the ``seq``-th, counted from 0); its loss."""
     return _state().whole_step(seq, b)
 
 
 def rpc_infer(x: torch.Tensor) -> torch.Tensor:
     return _state().infer(x)
-
-
-def rpc_reset() -> None:
-    _state().reset()
 
 
 def serve_zmq() -> None:
@@ -68,7 +63,7 @@ def serve_zmq() -> None:
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     print(port, flush=True)
     calls = {"forward": server.forward, "backward": lambda _: server.backward(), "step": lambda _: server.step(),
-             "infer": server.infer, "reset": lambda _: server.reset()}
+             "infer": server.infer}
     while True:
         op, arg = unpack(sock.recv_multipart(copy=False))
         out = calls[op](arg if arg is None else torch.from_numpy(arg))

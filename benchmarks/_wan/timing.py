@@ -2,13 +2,16 @@
 
 A *unit* is what one sample times: one training step, a block of ten steps
 whose loss is read once, one ``generate`` call, one inference call... Units
-run in rounds: a lead-in unit (untimed: it starts on an idle worker, which a
-loop's steps after the first never see), then ``block`` timed units back to
+run in rounds: lead-in units (untimed: the first starts on an idle worker,
+which a loop's steps after the first never see; a pipelined peer fills its
+window), then ``block`` timed units back to
 back (so a step's queued tail overlaps the next step, as in a real loop),
 then the system is synchronized (untimed) and the same number of units of the
 same code run on the local model, likewise. Remote unit ``i`` and local unit
 ``i`` get the same data, so both trainings go in lockstep and every result is
-checked against the local one.
+checked against the local one. Round trips waited for and requests are
+counted over the timed units; bytes over every unit, replies read at the
+synchronize included.
 
 The ratio is the median over the samples of (remote - local) per step,
 divided by the round-trip time the proxies add (twice the one-way delay).
@@ -37,11 +40,14 @@ class Unit:
     check: Callable[[object, object], float]  # (remote result, local result) -> difference; raises when wrong
     counters: Callable[[], dict] = dict  # blocking_reads, requests (and remotorch's bytes_sent/received)
     sync: Callable[[], None] = lambda: None
-    proxies: list = field(default_factory=list)  # the DelayProxies its traffic goes through
+    proxies: list = field(default_factory=list)  # the proxies its traffic goes through (``netproc.Proxy``)
     waits: float | None = None  # modelled: round trips per unit added to its loopback time
     scale: float = 1.0  # units timed = max(2, round(steps x scale))
     lead: int = 1  # untimed units at the start of each round (until the loop is in its steady state)
     note: str = ""
+
+
+WAITS = ("blocking_reads", "requests", "queue_waits")  # counted over the timed units
 
 
 def _add(total: dict, more: dict) -> None:
@@ -65,6 +71,7 @@ class Samples:
     local_s: list[float]
     counted: dict
     units_run: int
+    units_timed: int
     diffs: list[float]
     wire: tuple[int, int] | None  # bytes up, down through the proxies
 
@@ -74,7 +81,7 @@ def measure(unit: Unit, n: int, block: int = 5) -> Samples:
     remote_s: list[float] = []
     local_s: list[float] = []
     counted: dict = {}
-    units_run = 0
+    units_run = units_timed = 0
     diffs: list[float] = []
     for p in unit.proxies:
         p.reset_log()
@@ -82,9 +89,10 @@ def measure(unit: Unit, n: int, block: int = 5) -> Samples:
     clock = time.perf_counter
     while len(remote_s) < n:
         k = min(block, n - len(remote_s))
-        before = unit.counters()
         lead = unit.lead
+        first = unit.counters()
         results = [unit.remote(i + j) for j in range(lead)]
+        before = unit.counters()
         for j in range(lead, lead + k):
             t0 = clock()
             results.append(unit.remote(i + j))
@@ -92,8 +100,9 @@ def measure(unit: Unit, n: int, block: int = 5) -> Samples:
         waited = unit.counters()
         unit.sync()
         after = unit.counters()
-        _add(counted, {key: (waited if key in ("blocking_reads", "requests", "queue_waits") else after)[key] - before[key]
-                       for key in after})
+        # waits and requests: the timed units' (the loop's steady state); bytes: every unit's, replies included
+        _add(counted, {key: waited[key] - before[key] if key in WAITS else after[key] - first[key] for key in after})
+        units_timed += k
         units_run += lead + k
         local = [unit.local(i + j) for j in range(lead)]
         for j in range(lead, lead + k):
@@ -104,9 +113,9 @@ def measure(unit: Unit, n: int, block: int = 5) -> Samples:
         i += lead + k
     wire = None
     if unit.proxies:
-        ex = [e for p in unit.proxies for e in p.exchanges()]
-        wire = (sum(e.up for e in ex), sum(e.down for e in ex))
-    return Samples(remote_s, local_s, counted, units_run, diffs, wire)
+        totals = [p.totals() for p in unit.proxies]
+        wire = (sum(up for up, _ in totals), sum(down for _, down in totals))
+    return Samples(remote_s, local_s, counted, units_run, units_timed, diffs, wire)
 
 
 def summarize(unit: Unit, rtt_ms: float, samples: Samples) -> dict:
@@ -116,6 +125,7 @@ def summarize(unit: Unit, rtt_ms: float, samples: Samples) -> dict:
     remote = [t + extra for t in samples.remote_s]
     local_s, diffs = samples.local_s, samples.diffs
     per_step = samples.units_run * unit.per
+    per_timed_step = samples.units_timed * unit.per
     row = {"case": unit.case, "system": unit.system, "rtt_ms": rtt_ms, "n": len(remote), "per": unit.per,
            "modelled": unit.waits is not None, "note": unit.note,
            "remote_ms": statistics.median(remote) / unit.per * 1e3,
@@ -124,7 +134,7 @@ def summarize(unit: Unit, rtt_ms: float, samples: Samples) -> dict:
            "over_rtt": statistics.median(r - l for r, l in zip(remote, local_s)) / unit.per / rtt,
            "max_diff": max(diffs) if diffs else None}
     for key, value in samples.counted.items():
-        row[f"{key}_per_step"] = value / per_step
+        row[f"{key}_per_step"] = value / (per_timed_step if key in WAITS else per_step)
     if unit.waits is not None:
         row["blocking_reads_per_step"] = unit.waits / unit.per
     if samples.wire is not None:

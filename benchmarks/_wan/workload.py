@@ -144,12 +144,8 @@ class StepServer:
 
     def __init__(self) -> None:
         torch.set_num_threads(1)
-        self.reset()
         self.net = mlp()
         self._turn = threading.Condition()
-
-    def reset(self) -> None:
-        """A fresh model and optimizer (each measured system starts from the same weights)."""
         self.model = gpt2()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
         self.loss = None
