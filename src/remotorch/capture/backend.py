@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from ..codec.ops import CORE_NAMESPACES
+from ..codec.rngstate import draws_random
 from ..errors import UnsupportedGraphError
 from .graph import FALLBACKS, GraphRunner, RemoteGraph, output_devices
 from .layout import Layouts
@@ -271,7 +272,7 @@ def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: 
                         output_devices=devices, local=gm.forward, unsupported=unsupported,
                         kind=kind, saved_from=_saved_from() if kind == "forward" else None,
                         must_real=must_real, fetch_first=fetch_first, worker=worker,
-                        layouts=_layouts(gm, kind))
+                        layouts=_layouts(gm, kind), random=draws_random(gm))
     if made is not None:
         made.append((graph, kind == "inference" and _runs_direct(),
                      sum(1 for n in gm.graph.nodes if n.op == "placeholder")))

@@ -55,7 +55,7 @@ class RemoteGraph:
                  unsupported: RemoteError | None = None, kind: str = "inference",
                  saved_from: int | None = None, must_real: frozenset[int] = frozenset(),
                  fetch_first: frozenset[int] = frozenset(), worker: int | str | None = None,
-                 layouts: Callable[[Sequence], list | None] | None = None) -> None:
+                 layouts: Callable[[Sequence], list | None] | None = None, random: bool = False) -> None:
         # Instance attribute, not class: dynamo wraps backward graphs with
         # functools.wraps, which copies __dict__ and so keeps the boxed convention.
         self._boxed_call = True
@@ -77,6 +77,7 @@ class RemoteGraph:
         self.fetch_first = fetch_first  # inputs it reads here: fetched before the run if remote
         self.worker = worker  # which of the runner's workers runs it (None: the first)
         self.layouts = layouts  # args -> each output's layout or value, None when unknown (capture.layout)
+        self.random = random  # it draws random numbers (from this process's generator: client.rng)
         # what the client learns of the graph while the program runs is the client's own
         # (client.policy.GraphPolicy); nothing here changes after construction
 

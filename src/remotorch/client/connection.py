@@ -33,12 +33,13 @@ from ..codec.frames import FrameWriter
 from ..transport import Transport
 from . import values
 from .graph import Graph
-from .handles import HandleTable
+from .handles import HandleTable, spans_of
 from .ids import ContentIds
 from .link import Launched, Link, Locate, parse_reply
 from .stream import QueueLimits
 from .policy import Policies
 from .remote import REMOTE
+from .rng import GENERATORS
 from .reuse import InputReuse
 from .stats import Counters
 from .uploads import Resident, Uploads
@@ -244,7 +245,7 @@ class Connection:
         tensors = self.uploads.released
         if not handles and not tensors and not any(extra):
             return None
-        handles, spans = _spans(handles)
+        handles, spans = spans_of(handles)
         fields: dict[str, list] = {"handles": handles}
         if spans:
             fields["spans"] = spans
@@ -312,10 +313,18 @@ class Connection:
         plain = request is m.Run and placed is None
         reuse = plain and self.reuse.begin(args, graph.resident_set)
         binds: list = [None]  # the binding this request makes, if it makes one
+        random = request is m.Run and getattr(graph, "random", False)  # draws from this process's generator
+        rng: list = []  # the state it carries (None: its session's), taken when first built
 
         def build():
             run_args, frames, resident = self.pack_args(graph, args, reuse, placed)
             extra = fields() if callable(fields) else dict(fields or ())
+            if random:  # last, just before it goes: requests sent while building it are not random
+                if not rng:
+                    state = GENERATORS.state_for(self.link)
+                    rng.extend((state, GENERATORS.sent(self.link, state)))
+                if rng[0] is not None:
+                    extra["rng"] = rng[0]
             if self.reuse.keep_inputs:
                 extra["keep_inputs"] = self.reuse.keep_inputs
             binds[0] = None
@@ -333,12 +342,24 @@ class Connection:
             return request(gid, engine, run_args, **extra), frames
 
         if launched is not None:
+            if random:
+                on_reply = launched.on_reply
+
+                def generator_back(reply, out) -> None:
+                    GENERATORS.answered(self.link, rng[1], reply.rng)
+                    on_reply(reply, out)
+                launched.on_reply = generator_back
+                self._launch(graph, build, launched, binds)
+                GENERATORS.launched(self.link, launched)
+                return launched
             return self._launch(graph, build, launched, binds)
         try:
             reply, frames = self.call(build, graph, expect)
         except BaseException:
             self.reuse.failed()
             raise
+        if random and rng:
+            GENERATORS.answered(self.link, rng[1], reply.rng)
         if binds[0] is not None:
             binds[0].held = True
         self.reuse.committed()
@@ -410,25 +431,6 @@ class Connection:
 
     def __repr__(self) -> str:
         return f"Connection({self.name or self.url or 'embedded'})"
-
-
-def _spans(ids: list[int], least: int = 3) -> tuple[list[int], list[list[int]]]:
-    """Released handle ids as (single ids, [first, count] runs of at least ``least`` consecutive ones)."""
-    if len(ids) < least:
-        return ids, []
-    single, spans = [], []
-    ids = sorted(ids)
-    i = 0
-    while i < len(ids):
-        j = i + 1
-        while j < len(ids) and ids[j] == ids[j - 1] + 1:
-            j += 1
-        if j - i >= least:
-            spans.append([ids[i], j - i])
-        else:
-            single.extend(ids[i:j])
-        i = j
-    return single, spans
 
 
 __all__ = ["Connection", "ContentIds", "Graph", "Launched", "parse_reply"]

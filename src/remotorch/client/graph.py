@@ -25,3 +25,4 @@ class Graph(Protocol):
     # args -> each output's layout (capture.layout.TensorLayout) or value; None when not known
     # here (the call then waits for the worker's answer); the attribute itself None: never known
     layouts: Callable[[Sequence], list | None] | None
+    random: bool  # it draws random numbers: from this process's generator state (client/rng.py)

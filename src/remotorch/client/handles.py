@@ -63,3 +63,22 @@ class HandleTable:
         while self._released:
             out.append(self._released.popleft())
         return out
+
+
+def spans_of(ids: list[int], least: int = 3) -> tuple[list[int], list[list[int]]]:
+    """Released handle ids as (single ids, [first, count] runs of at least ``least`` consecutive ones)."""
+    if len(ids) < least:
+        return ids, []
+    single, spans = [], []
+    ids = sorted(ids)
+    i = 0
+    while i < len(ids):
+        j = i + 1
+        while j < len(ids) and ids[j] == ids[j - 1] + 1:
+            j += 1
+        if j - i >= least:
+            spans.append([ids[i], j - i])
+        else:
+            single.extend(ids[i:j])
+        i = j
+    return single, spans

@@ -27,6 +27,7 @@ from ..codec import messages as m
 from ..transport import TcpTransport, Transport
 from ..transport.tls import client_context
 from . import origin
+from .rng import GENERATORS
 from .stream import Launched, QueueLimits, Stream
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class Link:
                              ready=lambda: self.transport.ready(), reconnect=self._reconnect,
                              encode=self._encode, parse=lambda header, expect: parse_reply(header, self.url, expect),
                              limits=limits, blocking=blocking)
+        self.stream.before_wait = lambda: GENERATORS.awaited(self)  # a read brings the generator back too
 
     # ------------------------------------------------------------------ lifetime
     @property
@@ -119,6 +121,7 @@ class Link:
                 except errors.RemoteError:
                     pass
             self._closed = True
+            GENERATORS.forget(self)
             if self._transport is not None:
                 self._transport.close()
             if failure is not None:
@@ -137,10 +140,13 @@ class Link:
         """On each new connection: name this session, learn whether the worker still holds it."""
         reply = parse_reply(ask(m.encode(m.Attach(self.session_id))), self.url, m.AttachReply)
         self._resumed = reply.resumed
+        first = self.lease_s is None
         if not reply.resumed:  # a new session (worker restarted, or the lease ran out): upload again
+            if not first:
+                GENERATORS.forget(self)  # and it holds no random generator state
             for hook in self.on_reset:
                 hook()
-        first, self.lease_s = self.lease_s is None, reply.lease_s
+        self.lease_s = reply.lease_s
         if first:
             threading.Thread(target=_heartbeats, args=(weakref.ref(self), self._heartbeat_stop),
                              name="remotorch-heartbeat", daemon=True).start()
@@ -156,6 +162,13 @@ class Link:
             self._down_until = time.monotonic() + self._retry_after
             raise
         return self._resumed
+
+    def bring_back_generator(self) -> None:
+        """Wait for the random generator's state, if it lives on this worker (a read)."""
+        with self.lock:
+            last = GENERATORS.awaited(self)
+            if last is not None:
+                self.stream.wait(last)
 
     def connect(self) -> None:
         """Open the connection now if none is open (attaching to the session: see :meth:`_attach`)."""
@@ -234,10 +247,12 @@ class Link:
         was_connected = self.transport.connected
         try:
             self.transport.post(header, frames, progress=progress)
-        except errors.WorkerUnavailableError:
-            if not was_connected:  # no worker answered the connect: do not try again at once
+        except errors.RemoteError as exc:
+            if was_connected:  # the connection dropped: the stream opens a new one and sends again
+                exc.dropped = True
+            elif isinstance(exc, errors.WorkerUnavailableError):  # no worker answered: not again at once
                 self._down_until = time.monotonic() + self._retry_after
-            raise  # (a connection that dropped is the stream's to open again)
+            raise
 
     def settle(self, until: Launched | None = None) -> None:
         """Read the replies of launched calls, oldest first (all of them, or up to ``until``)."""

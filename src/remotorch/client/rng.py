@@ -6,24 +6,25 @@ advance it; run remotely it must do the same, or ``torch.manual_seed(7)``
 would not make a run repeatable and a remote run would never equal a local
 one. So the generator's state travels with the random graphs, and back:
 
-* The state "lives" in one place at a time: here, or on one worker (after a
-  random graph was sent there, until its reply is read). A random graph
-  sent to a worker carries this process's state (``Run.rng``) when the
-  worker's session does not hold it already; else it continues from the
-  state the session's previous random graph left, as a local run would.
-* Each reply to a random graph carries what changed in the worker's state
-  (``RunReply.rng``: a few bytes; the generator's words change only every
-  624 draws). The client keeps a mirror of each worker's state, so it knows
-  the state after the last random graph as soon as its reply is read.
+* The state lives in one place at a time: here, or on one worker (from a
+  random graph sent there until the state comes back). A random graph sent
+  to a worker carries this process's state (``Run.rng``) unless the worker's
+  session holds that state already (it does after its own previous random
+  graph, unless the program reseeded since): then it goes on from it, as a
+  local run would.
 * While the state lives on a worker, this process's generator is *parked*
-  on a sentinel state; once the reply of the last random graph sent is read
-  (at any read on that worker, or ``synchronize()``), the generator takes
-  the worker's state, and local code draws what a local run would have.
-  Code that reseeds (``manual_seed``, ``set_rng_state``) in between moves
-  the generator off the sentinel: that state wins, and travels with the
-  next random graph. Code that draws locally in between draws from the
-  sentinel: deterministic, but not what eager would draw (a warning says
-  so once; ``REMOTORCH_LAUNCH_BLOCKING=1`` makes it exact).
+  on a sentinel state. The reply to every random graph says what changed in
+  the worker's state (``RunReply.rng``: a few bytes after a few draws, about
+  5 KB once the generator's words turned over); a read on that worker (any
+  wait for a reply, ``synchronize()``) also waits for the reply of the last
+  random graph sent there (in flight already: no round trip of its own), and
+  the generator takes that state: local code after a read draws what a local
+  run would.
+* Code that reseeds (``manual_seed``, ``set_rng_state``) while the generator is
+  parked moves it off the sentinel: that state wins and travels with the next
+  random graph. Code that draws random numbers while it is parked (before any
+  read) draws from the sentinel: repeatable, but not what eager would draw
+  (a warning says so once; ``REMOTORCH_LAUNCH_BLOCKING=1`` makes it exact).
 
 On a CUDA worker, graphs draw from the worker's CUDA generator, seeded from
 this process's state when it travels: the same seed gives the same values
@@ -44,22 +45,25 @@ log = logging.getLogger(__name__)
 
 
 class Generators:
-    """Where this process's default CPU generator's state lives, and each worker's mirror of it.
+    """Where this process's default CPU generator's state lives, and each worker session's copy of it.
 
-    One per process (the default generator is the process's); the
-    connections call it around random graphs (see the module docstring).
+    One per process (the default generator is the process's); links call it
+    around random graphs and before they wait (see the module docstring).
     """
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._mirror: dict[int, bytes] = {}  # id(link) -> the state that worker's session holds
+        self._mirror: dict[int, bytes] = {}  # id(link) -> the state that worker's session last told us of
+        self._valid: set[int] = set()  # links whose session still holds its mirror (no random graph since)
+        self._last_sent: dict[int, int] = {}  # id(link) -> the epoch of the last random graph sent there
         self._owner = None  # the link whose worker holds the state now (None: here)
-        self._last = None  # the last random graph sent to the owner (its Launched)
+        self._epoch = 0  # counts random graphs sent: a state answered for an older one is stale
+        self._last = None  # the Launched of the last random graph sent to the owner without waiting
+        seed = secrets.randbits(63)
         sentinel = torch.Generator()
-        self._sentinel_seed = secrets.randbits(63)
-        sentinel.manual_seed(self._sentinel_seed)
-        self._sentinel = sentinel.get_state()
-        self._before = None
+        sentinel.manual_seed(seed)
+        self._sentinel, self._sentinel_seed = sentinel.get_state(), seed
+        self._before: torch.Tensor | None = None  # the state when it left (restored if that worker is lost)
         self._warned = False
 
     def _parked(self) -> bool:
@@ -67,64 +71,82 @@ class Generators:
 
     def state_for(self, link) -> bytes | None:
         """The state a random graph about to go to ``link``'s worker must carry (None: its session
-        continues from the one it holds)."""
+        goes on from the state it holds)."""
         with self._lock:
             owner = self._owner
             if owner is not None and not self._parked():
-                self._took_back_here()  # the program reseeded (or drew) meanwhile: its state wins
+                self._changed_here()
                 owner = None
             if owner is link:
                 return None
-            if owner is not None:  # it lives on another worker: bring it here first (a read)
-                owner.settle(self._last)
-                self._take_back(owner)
+            if owner is not None:  # it lives on another worker: bring it back first (a read there)
+                owner.bring_back_generator()
+                if self._owner is not None:  # that worker could not answer: go on from here
+                    self._owner = self._last = None
             state = bytes(torch.get_rng_state().numpy())
-            return None if self._mirror.get(id(link)) == state else state
+            return None if id(link) in self._valid and self._mirror.get(id(link)) == state else state
 
-    def sent(self, link, launched, state: bytes | None) -> None:
-        """A random graph went to ``link``'s worker: the state lives there now; park this process's."""
+    def sent(self, link, state: bytes | None) -> int:
+        """A random graph goes to ``link``'s worker (carrying ``state``, or going on from its own): the
+        state lives there now; this process's generator is parked. Returns the graph's epoch (its
+        reply's changes are :meth:`answered` with it)."""
         with self._lock:
             if state is not None:
-                self._mirror[id(link)] = state
+                self._mirror[id(link)] = state  # what the worker's session knows the client knows
+            self._valid.discard(id(link))  # its state moves on from there: unknown until it tells
             if self._owner is None:
-                self._before = torch.get_rng_state()  # restored if that worker is lost
-            self._owner, self._last = link, launched
+                self._before = torch.get_rng_state()
+            self._owner = link
+            self._epoch += 1
+            self._last_sent[id(link)] = self._epoch
             torch.set_rng_state(self._sentinel)
+            return self._epoch
 
-    def answered(self, link, launched, changes: list) -> None:
-        """The reply of a random graph: the worker's state after it; the state comes back here when
-        it was the last random graph sent."""
+    def launched(self, link, launched) -> None:
+        """The random graph last sent to ``link`` went without waiting: a read there waits for it too."""
         with self._lock:
-            base = self._mirror.get(id(link), b"")
-            self._mirror[id(link)] = patched(base, changes)
-            if self._owner is link and self._last is launched:
-                self._take_back(link)
+            if self._owner is link:
+                self._last = launched
 
-    def _take_back(self, link) -> None:
-        if self._parked():
-            torch.set_rng_state(torch.frombuffer(bytearray(self._mirror[id(link)]), dtype=torch.uint8))
-        else:
-            self._took_back_here()
-        self._owner = self._last = None
+    def awaited(self, link):
+        """Before a wait on ``link``: the random graph whose reply brings the state back, if it lives
+        there and that reply is not read yet (else None)."""
+        last = self._last
+        return last if self._owner is link and last is not None and not last.done else None
 
-    def _took_back_here(self) -> None:
+    def answered(self, link, epoch: int, changes: list) -> None:
+        """What changed in ``link``'s worker's state with random graph ``epoch``: the state comes back
+        here if it was the last one sent."""
+        with self._lock:
+            self._mirror[id(link)] = patched(self._mirror.get(id(link), b""), changes)
+            if self._last_sent.get(id(link), 0) <= epoch:
+                self._valid.add(id(link))
+            if self._owner is link and epoch == self._epoch:
+                if self._parked():
+                    torch.set_rng_state(torch.frombuffer(bytearray(self._mirror[id(link)]), dtype=torch.uint8))
+                else:
+                    self._changed_here()
+                self._owner = self._last = None
+
+    def _changed_here(self) -> None:
         """The program changed the generator while its state lived on a worker: its state wins.
 
         A reseed (``manual_seed``, ``set_rng_state``) is what the program
-        meant; a draw from the sentinel is not what eager would have drawn,
-        and is said once.
+        meant; a draw from the sentinel (its seed is still the sentinel's) is
+        not what eager would have drawn, and is said once.
         """
         self._owner = self._last = None
         if torch.initial_seed() == self._sentinel_seed and not self._warned:
             self._warned = True
-            log.warning("random numbers were drawn here while a remote random graph's generator state was "
-                        "on its worker (before any read): they are not those a local run would draw. Read a "
-                        "value (or call session.synchronize()) first, or set REMOTORCH_LAUNCH_BLOCKING=1")
+            log.warning("random numbers were drawn here while a remote random graph's generator state was on "
+                        "its worker (before any read there): they are not those a local run would draw. Read "
+                        "a value (or call session.synchronize()) first, or set REMOTORCH_LAUNCH_BLOCKING=1")
 
     def forget(self, link) -> None:
         """``link``'s worker no longer holds its session's state (a new session, or the link closed)."""
         with self._lock:
             self._mirror.pop(id(link), None)
+            self._valid.discard(id(link))
             if self._owner is link:
                 self._owner = self._last = None
                 if self._parked() and self._before is not None:  # as it was before the lost graphs

@@ -154,6 +154,8 @@ class Stream:
         self.queue_waits = 0  # waits because the queue was full
         self.requests_queued = 0  # requests sent without waiting
         self.name = ""  # the worker's, on trace tracks
+        # before a wait: a request to send first and wait for too (the random generator's state), or None
+        self.before_wait: Callable[[], Launched | None] | None = None
 
     # ------------------------------------------------------------------ sending
     def launch(self, body, frames: Sequence, launched: Launched) -> Launched:
@@ -172,12 +174,14 @@ class Stream:
         try:
             self._post(header, launched.message[1])
         except errors.RemoteError as exc:
-            if alone:  # nothing else in flight: this request failed by itself, and says so now
+            if isinstance(exc, errors.TransportError) and getattr(exc, "dropped", False):
+                self._recover()  # the connection dropped: a new one, and everything in flight sent again
+                if alone and launched.error is not None:  # that failed too: this request says so now
+                    launched.raise_error()
+            elif alone:  # nothing else in flight: this request failed by itself, and says so now
                 self.inflight.pop()
                 self._leave(launched)
                 raise
-            if isinstance(exc, errors.TransportError):  # the connection dropped: send it all again
-                self._recover()
             else:  # a new connection was refused (a token no longer accepted): all is lost
                 self._lose(list(self.inflight), exc)
         if self.blocking:
@@ -224,6 +228,7 @@ class Stream:
         here (a read may depend on them); ``launched``'s own error is not
         (the caller raises it where its value is used).
         """
+        also = self.before_wait() if self.before_wait is not None else None
         if not launched.done:
             if read:
                 self.blocking_reads += 1
@@ -233,10 +238,14 @@ class Stream:
             tracer = trace.current()
             if tracer is not None:
                 tracer.waited(self.name, started, launched, origins.here())
+        while also is not None and not also.done:  # right behind it: the same round trip
+            self._settle_one()
         self.raise_effects(before=launched.seq)
 
     def sync(self) -> None:
         """Wait for every reply; raise the first failure not raised yet (and say how many more)."""
+        if self.before_wait is not None:
+            self.before_wait()
         if self.inflight:
             self.blocking_reads += 1
             while self.inflight:

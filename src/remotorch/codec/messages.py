@@ -112,6 +112,10 @@ class Run(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
 
     ``graph_id`` may be the first :data:`SHORT_GRAPH_ID` hex digits of the id of
     a graph the session ran before (a warm call need not repeat all 64).
+
+    ``rng``: a graph that draws random numbers starts from this CPU generator
+    state (the client's); empty, it goes on from the state the session's
+    previous random graph left (§17.5).
     """
 
     graph_id: str
@@ -129,6 +133,7 @@ class Run(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
     strides: list[list[int]] = []
     echo: list[int] = []
     brief: bool = False
+    rng: bytes = b""
 
 
 class Echo(msgspec.Struct, frozen=True, tag="echo", omit_defaults=True):
@@ -185,12 +190,15 @@ class Ok(msgspec.Struct, frozen=True, tag="ok", omit_defaults=True):
 class RunReply(msgspec.Struct, frozen=True, tag="run_reply", omit_defaults=True):
     """A ``Run``'s flat outputs (tensors in frames, scalars inline, the others as ``Run`` says) and the
     worker's own timing. To a ``brief`` run, ``outputs`` holds only the outputs the client does not
-    know, and ``at`` their indices."""
+    know, and ``at`` their indices. After a graph that draws random numbers, ``rng`` says what changed
+    in the session's generator state since the client last knew it (``[offset, bytes]`` runs;
+    ``[[-1, state]]``: all of it)."""
 
     outputs: list[OutputArg]
     run_ms: float
     compiled: bool = False  # this call compiled the graph for its engine
     at: list[int] = []
+    rng: list[tuple[int, bytes]] = []  # a random graph: what changed in the session's generator state (§17.5)
 
 
 class EchoReply(msgspec.Struct, frozen=True, tag="echo_reply", omit_defaults=True):

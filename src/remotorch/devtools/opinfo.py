@@ -15,10 +15,15 @@ operator in one dtype and one direction:
 
 Comparison is exact (``torch.testing.assert_close`` with tolerance 0, NaN
 equal to NaN): both sides run the same aten graph with the same CPU kernels.
-A case counts only when aot_eager runs it and, run twice, gives the same
-values both times; otherwise it is reported as *not counted* (random
-operators fall here). A case none of whose work reached a graph (dynamo ran
-it all eagerly) is also not counted: it says nothing about remotorch.
+A case counts only when aot_eager runs it and, run twice (the second time
+after freed memory of the outputs' sizes was overwritten, so that
+uninitialized memory shows), gives the same values both times, and torch's
+OpInfo does not mark the operator's output non-deterministic (random
+operators, ``empty_like``); otherwise it is reported as *not counted*. A case
+none of whose work reached a graph (dynamo ran it all eagerly: data-dependent
+operators such as ``nonzero``) is also not counted: it says nothing about
+remotorch. One where dynamo compiled a graph that never reached the worker
+counts, as not equal.
 """
 
 from __future__ import annotations

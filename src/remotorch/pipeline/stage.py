@@ -23,6 +23,7 @@ from ..capture.graph import output_devices
 from ..codec import messages as m
 from ..codec.frames import FrameReader
 from ..codec.graph import GraphPayload, encode_graph
+from ..codec.rngstate import draws_random
 from ..training.client import TrainingClient
 from .split import PipelineSplitError, StageGraphs
 
@@ -33,6 +34,7 @@ class StageGraph:
 
     payload: GraphPayload
     engine: str
+    random: bool = False  # it draws random numbers (from this process's generator: client/rng.py)
 
     @property
     def graph_id(self) -> str:
@@ -73,8 +75,10 @@ class StageRunner:
         self.graphs = graphs
         self.client = client
         self.conn = client.connection
-        self.forward_graph = StageGraph(_payload(graphs.forward, f"stage {graphs.index} forward"), engine)
-        self.backward_graph = StageGraph(_payload(graphs.backward, f"stage {graphs.index} backward"), engine)
+        self.forward_graph = StageGraph(_payload(graphs.forward, f"stage {graphs.index} forward"), engine,
+                                        draws_random(graphs.forward))
+        self.backward_graph = StageGraph(_payload(graphs.backward, f"stage {graphs.index} backward"), engine,
+                                         draws_random(graphs.backward))
         self.grad_devices = output_devices(graphs.backward)
         if len(self.grad_devices) != len(graphs.inputs):
             raise PipelineSplitError(f"stage {graphs.index}: its backward does not give one gradient per input")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codec.graph import DecodedGraph
+from ..codec.rngstate import draws_random
 from ..errors import InvalidRequestError, UnsupportedGraphError
 from . import engines
 from .checks import ArgCheck
@@ -36,11 +37,13 @@ class GraphEntry:
     # tensor never changes its dtype or sizes here (only its values, in place)
     passed: list
     gid: str = ""
+    random: bool = False  # it draws random numbers: it runs from its session's generator state
 
     @classmethod
     def build(cls, gid: str, decoded: DecodedGraph) -> GraphEntry:
         checks = [ArgCheck.of(meta) for meta in decoded.inputs]
-        return cls(decoded, checks, {}, threading.Lock(), [None] * len(checks), gid)
+        return cls(decoded, checks, {}, threading.Lock(), [None] * len(checks), gid,
+                   draws_random(decoded.module))
 
     def check_args(self, values: list, positions=None) -> None:
         """Each value (or those at ``positions``) against the graph's argument checks."""

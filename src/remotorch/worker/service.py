@@ -219,9 +219,9 @@ class Service:
         if req.brief:  # only what the client does not know: values, and outputs not disposed of as planned
             at = [i for i, o in enumerate(ran.outputs) if not isinstance(o, _WIRE) and o is not None]
             outputs = [_answer(ran.outputs[i], w) for i in at]
-            return m.encode(m.RunReply(outputs, ran.ms, ran.compiled, at)), w.frames
+            return m.encode(m.RunReply(outputs, ran.ms, ran.compiled, at, ran.rng or [])), w.frames
         outputs = [o if isinstance(o, _WIRE) else _answer(o, w) for o in ran.outputs]
-        return m.encode(m.RunReply(outputs, ran.ms, ran.compiled)), w.frames
+        return m.encode(m.RunReply(outputs, ran.ms, ran.compiled, rng=ran.rng or [])), w.frames
 
     def _send(self, url: str, ticket_id: bytes, secret: bytes, tensors: list) -> None:
         self.peers.send(url, ticket_id, secret, tensors, timeout=self.peer_timeout_s, tls_ca=self.peer_tls_ca)
@@ -390,8 +390,8 @@ _HANDLERS: dict[type, Callable[[Service, object, object, list], Reply]] = {
     m.OptimCreate: Service._optim_create, m.OptimStep: Service._optim_step,
     m.OptimZeroGrad: Service._optim_zero_grad, m.OptimGetState: Service._optim_get_state,
     m.OptimSetState: Service._optim_set_state, m.ClipGradNorm: Service._clip_grad_norm,
-    m.Flush: Service._flush, m.Fetch: Service._fetch, m.ExpectHandles: Service._expect_handles,
-    m.SendHandles: Service._send_handles,
+    m.Flush: Service._flush, m.Fetch: Service._fetch,
+    m.ExpectHandles: Service._expect_handles, m.SendHandles: Service._send_handles,
     m.OpenStore: Service._open_store, m.JoinGroup: Service._join_group, m.LeaveGroup: Service._leave_group,
     m.BroadcastSlots: Service._broadcast_slots, m.ReduceGrads: Service._reduce_grads,
     m.Challenge: Service._challenge, m.Have: Service._have,

@@ -34,6 +34,7 @@ from ..errors import InvalidRequestError, LimitExceededError, MissingObjectsErro
 from . import engines, quota
 from .bindings import Bindings
 from .graphs import GraphEntry
+from .rng import Generators
 from .guard import guarded, timed_call
 from .quota import Limits
 from .disk import DiskCache, valid_id
@@ -70,6 +71,7 @@ class Ran:
     ms: float
     compiled: bool
     inputs: list
+    rng: list | None = None  # a random graph: what changed in the session's generator state
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class _Prepared:
     values: list
     compiled: bool
     compile_ms: float
+    random: bool = False  # the graph draws random numbers (from the session's generator state)
 
 
 class Worker:
@@ -100,6 +103,7 @@ class Worker:
             self.engines = list(engine_names)
         self._graphs = SharedStore(limits.cache_bytes)
         self._short_ids: dict[object, dict[str, str]] = {}  # session -> short graph id -> graph id
+        self.generators = Generators(self.device)  # each session's random generator state
         self._tensors = SharedStore(limits.cache_bytes)
         self.handles = HandleStore()  # every value kept for a session, by handle id
         self.trainables = Trainables(self.device)  # parameter slots and optimizers
@@ -124,6 +128,7 @@ class Worker:
     def close_session(self, session: object) -> None:
         """Release everything a session held (objects no one else holds are freed)."""
         self._short_ids.pop(session, None)
+        self.generators.forget(session)
         self._graphs.drop_session(session)
         self._tensors.drop_session(session)
         self.handles.drop_session(session)
@@ -304,12 +309,17 @@ class Worker:
         prep = self._prepare(session, req.graph_id, req.engine, req.args, frames, req.bind, req.bound)
         if req.keep_inputs:
             self._keep_inputs(session, req.keep_inputs, prep.values)
-        out, ms = self._guarded(req.engine, lambda: timed_call(prep.fn, prep.values, self.device))
-        ran = Ran(_as_list(out), ms, prep.compiled, prep.values)
-        if plan.inline:
-            return ran
-        return Ran(dispose(self, session, plan, ran.outputs, prep.values, grads, send), ms, prep.compiled,
-                   prep.values)
+        rng = None
+        if prep.random:  # from the session's generator state (the client's), as one process would
+            out, ms = self.generators.run(session, req.rng, lambda: self._guarded(
+                req.engine, lambda: timed_call(prep.fn, prep.values, self.device)))
+            rng = self.generators.changes(session)
+        else:
+            out, ms = self._guarded(req.engine, lambda: timed_call(prep.fn, prep.values, self.device))
+        outs = _as_list(out)
+        if not plan.inline:
+            outs = dispose(self, session, plan, outs, prep.values, grads, send)
+        return Ran(outs, ms, prep.compiled, prep.values, rng)
 
     def profile(self, session: object, gid: str, engine: str, args: list, frames, *,
                 warmups: int, repeats: int) -> tuple[list, TimedRuns, bool, float]:
@@ -360,7 +370,8 @@ class Worker:
         start = time.perf_counter()
         fn, compiled = graph.engine_fn(engine, values, offered=self.engines, worker=self.name, device=self.device,
                                        disk=self.disk)
-        return _Prepared(fn, values, compiled, (time.perf_counter() - start) * 1e3 if compiled else 0.0)
+        return _Prepared(fn, values, compiled, (time.perf_counter() - start) * 1e3 if compiled else 0.0,
+                         graph.random)
 
     def _keep_inputs(self, session: object, pairs: list[list[int]], values: list) -> None:
         if not all(len(p) == 2 and type(p[0]) is int and 0 <= p[0] < len(values)
