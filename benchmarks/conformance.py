@@ -33,6 +33,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import re
 import secrets
 import shutil
 import subprocess
@@ -213,13 +214,24 @@ def render_opinfo(results: list, n_ops: int, limit: int | None, seconds: float, 
                 lines.append(f"| {dtype} | {direction} | {row['ops']} | {row['counted']} | {row[opinfo.EQUAL]} | "
                              f"{row[opinfo.DIFFERS]} | {row[opinfo.REFERENCE_FAILS]} | "
                              f"{row[opinfo.NONDETERMINISTIC]} | {row[opinfo.NO_GRAPH]} |")
-    bad = [r for r in results if r.status == opinfo.DIFFERS]
-    lines += ["", "Samples not equal: " + ("none." if not bad else "")]
-    lines += [f"* `{r.case}`: {_escape(r.detail)}" for r in bad]
+    by_why: dict[str, list] = {}
+    for r in results:
+        if r.status == opinfo.DIFFERS:
+            by_why.setdefault(_plain_detail(r.detail), []).append(r.case)
+    lines += ["", "Samples not equal: " + ("none." if not by_why else "by what they came to:")]
+    for why, cases in sorted(by_why.items(), key=lambda item: -len(item[1])):
+        names = ", ".join(f"`{c}`" for c in cases[:12]) + (f" and {len(cases) - 12} more" if len(cases) > 12 else "")
+        lines.append(f"* {len(cases)}: {_escape(why)} ({names})")
     failing = sorted({r.case.op for r in results if r.status == opinfo.REFERENCE_FAILS})
     if failing:
         lines += ["", "aot_eager fails on: " + ", ".join(f"`{name}`" for name in failing) + "."]
     return "\n".join(lines + [OPINFO_END])
+
+
+def _plain_detail(detail: str) -> str:
+    """A failure without what names this run's files (the line that issued a request, paths)."""
+    detail = re.sub(r" \(issued at [^)]*\)", "", detail)
+    return re.sub(r"(/[\w.+-]+)+/([\w.+-]+)", r"\2", detail)[:200]
 
 
 def write_opinfo_section(path: Path, section: str) -> None:
