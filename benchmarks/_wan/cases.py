@@ -74,7 +74,7 @@ def training_cases(session, proxy, names, system: str = REMOTORCH) -> list[Unit]
                            lambda i: w.train_step(ref, ref_opt, bs[i % len(bs)]), loss_diff, system=system))
     if "train10" in names:
         units.append(_unit("train10", session, [proxy], lambda i: w.train_steps_read_once(f, opt, ten(i)),
-                           lambda i: w.train_steps_read_once(ref, ref_opt, ten(i)), loss_diff, per=10, scale=0.3,
+                           lambda i: w.train_steps_read_once(ref, ref_opt, ten(i)), loss_diff, per=10, scale=0.5,
                            system=system))
     if "train_local_opt" in names:
         f3, opt3, ref3, ref_opt3 = _train_pair(session, local_opt=True)

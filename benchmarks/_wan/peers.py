@@ -276,7 +276,7 @@ class RpcPeer:
                           check=lambda fut, loc: loss_diff(fut.wait(), loc),
                           note=f"{RPC_IN_FLIGHT} steps in flight: each loss read {RPC_IN_FLIGHT - 1} steps later"))
         if "train10" in names:
-            out.append(mk(case="train10", system="torch RPC rpc_async x10", per=10, scale=0.3,
+            out.append(mk(case="train10", system="torch RPC rpc_async x10", per=10, scale=0.5,
                           remote=lambda i: self._wait([self._async(b) for b in _ten(bs, i)][-1]),
                           local=lambda i: w.train_steps_read_once(ref, ref_opt, _ten(bs, i)), check=loss_diff))
         if "infer" in names:
@@ -330,7 +330,7 @@ class RayPeer:
             out.append(mk(case="train", per=1, remote=lambda i: self._get(self._submit(bs[i % len(bs)])),
                           local=lambda i: w.train_step(ref, ref_opt, bs[i % len(bs)]), check=loss_diff))
         if "train10" in names:
-            out.append(mk(case="train10", per=10, scale=0.3,
+            out.append(mk(case="train10", per=10, scale=0.5,
                           remote=lambda i: self._get([self._submit(b) for b in _ten(bs, i)][-1]),
                           local=lambda i: w.train_steps_read_once(ref, ref_opt, _ten(bs, i)), check=loss_diff))
         if "infer" in names:
