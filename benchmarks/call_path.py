@@ -7,7 +7,10 @@ up; then the hook records every function of the ``remotorch`` package that
 runs during one more call, by thread: the caller's thread is the client, the
 server's thread the worker. The output is not read (it stays on the worker,
 as in ordinary code that passes it on), and the default session options are
-used, as ``torch.compile(model, backend="remotorch")`` would.
+used, as ``torch.compile(model, backend="remotorch")`` would. The call is sent
+without waiting, so the trace ends after ``session.synchronize()``, which
+waits for its reply (as the next read would): the worker's side of the call
+and the client's reading of the reply are in it.
 
 Prints the files of each side, in the order first entered, and the counts.
 ``--read`` reads the output too (a ``Fetch`` follows); ``--json`` prints
@@ -77,6 +80,7 @@ def main() -> int:
             out = compiled(x)
             if args.read:
                 out.sum().item()
+            session.synchronize()  # the call was sent without waiting: its reply, read
             tracing.clear()
             sys.setprofile(None)
     finally:

@@ -4,7 +4,9 @@ Starts real ``remotorch serve`` workers on loopback (one intra-op thread
 each) and trains an MLP (``--width``, ``--layers``) with AdamW, in one run:
 
 1. the same global batch on 1 replica (one worker) and on 2 replicas (two
-   workers): median step time (``dp.step`` + ``opt.step``), the losses
+   workers): median step time (``dp.step`` + ``opt.step``, until the workers
+   have done it: the optimizer step is sent without waiting, so the timed
+   step ends with ``session.synchronize()``), the losses
    checked equal to one local process training on the whole batch (1e-4),
    the 2-replica parameters checked equal to the reference after the run;
 2. the all-reduce of a step (``pipe.last_timing["reduce_s"]``: from the
@@ -176,6 +178,7 @@ def train(session, model, x, y, steps: int, workers: list[int], overlap_before=(
         loss = dp.step(x, y)
         opt.step()
         opt.zero_grad()
+        session.synchronize()  # the optimizer steps done on the workers (sent without waiting)
         step_s.append(time.perf_counter() - t0)
         after = session.stats()
         losses.append(float(loss))

@@ -16,9 +16,10 @@ and goes out again, as remotorch did before), "after" the default.
 3. A chain of 100 dependent calls ``y = f(y)`` (``f``: a 384x384 linear layer and
    tanh, about a millisecond of work here), then one read: wall time against
    the worker's own run time (``stats()["remote_ms"]``), and the bytes.
-   Synchronous calls wait for each answer; with ``Session(async_calls=True)``
-   a call whose outputs all stay on the worker returns at once and only the
-   read waits. Target for asynchronous launch: wall time at most 1.2x the
+   "before" and "after" wait for each answer (``Session(blocking=True)``,
+   as remotorch did before only a read waited); "async" is the default, where
+   every call is sent without waiting and returns at once, and only the read
+   waits. Target for asynchronous launch: wall time at most 1.2x the
    worker's run time.
 
 Exit code 0 when every target is met and every result is right, else 1.
@@ -114,8 +115,8 @@ def chain(url: str, token: str, calls: int) -> dict:
         for _ in range(calls):
             expected = step(expected)
     out = {}
-    for mode, keep, launch in (("before", False, False), ("after", True, False), ("async", True, True)):
-        with remotorch.Session(url, token=token, keep_outputs=keep, async_calls=launch) as s:
+    for mode, keep, blocking in (("before", False, True), ("after", True, True), ("async", True, False)):
+        with remotorch.Session(url, token=token, keep_outputs=keep, blocking=blocking) as s:
             f = remotorch.compile(step, session=s, fallback="raise")
             with torch.no_grad():
                 f(f(f(y0)))  # compile, upload, learn the layout

@@ -6,8 +6,11 @@ forks N client processes. Each client gives the models weights of its own
 (so every client uploads different content), computes the expected outputs
 of a fixed set of inputs locally, and, once every client is ready, makes
 ``--calls`` calls cycling through the models and inputs, checking every
-output against the local one. Reported: calls, errors, wrong results,
-throughput (calls per second over the loaded phase) and latency percentiles.
+output against the local one. A call is sent without waiting and its output
+stands here as a placeholder until read, so each call's latency runs to its
+output read (a failure on the worker is raised there too). Reported: calls,
+errors, wrong results, throughput (calls per second over the loaded phase)
+and latency percentiles.
 A single client runs the same calls first, in the same run, as the baseline
 for the ratios.
 
@@ -31,6 +34,7 @@ import torch
 import remotorch
 from remotorch import models
 from remotorch.client.embedded import spawn_worker
+from remotorch.client.remote import RemoteTensor
 from remotorch.codec import messages as m
 
 INPUTS_PER_MODEL = 8
@@ -78,6 +82,8 @@ def client(shared: Models, seed: int, calls: int, pipe) -> None:
             start = time.perf_counter()
             try:
                 out = compiled(x)
+                if type(out) is RemoteTensor:
+                    out.materialize_()  # the read: it waits for the reply, and raises the call's failure
             except remotorch.errors.RemoteError as exc:
                 errors.append(f"{type(exc).__name__}: {exc}"[:300])
                 continue

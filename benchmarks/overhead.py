@@ -12,7 +12,10 @@ computed from figures of that same run:
 3. The tiny MLP (``remotorch.models.mlp()``, batch 32×784, no grad): local
    eager vs ``remotorch.compile(..., fallback="raise")`` on a real
    ``remotorch serve`` worker subprocess. Local and remote calls are timed one
-   by one in interleaved rounds, so machine noise hits both alike. Two
+   by one in interleaved rounds, so machine noise hits both alike. A remote
+   call is sent without waiting and its output stands here as a placeholder
+   until read, so each timed remote call (and each ``run_graph``) reads its
+   output before the clock stops: the time until the value is in hand. Two
    intermediate rows split the remote call: ``session.echo`` of 64 bytes (the
    remotorch framing, HMAC, msgpack and the worker's serving loop) and
    ``session.run_graph`` called directly (everything except dynamo's guards
@@ -80,6 +83,7 @@ import zmq
 
 import remotorch
 from remotorch.client.embedded import spawn_worker
+from remotorch.client.remote import fetch_all
 from remotorch import models
 from remotorch.transport import framing
 
@@ -259,6 +263,13 @@ class ZmqClient:
 
 
 # ---------------------------------------------------------------------------- timing
+def read(out):
+    """``out`` (a tensor, or a list of them) with its data in this process: a remote call returns
+    placeholders at once (it is sent without waiting), and only a read waits for the worker."""
+    fetch_all(out if isinstance(out, (list, tuple)) else (out,))
+    return out
+
+
 def summary(samples_ns: list[int]) -> dict:
     """Median and p99 of per-call samples, in microseconds."""
     s = sorted(samples_ns)
@@ -328,9 +339,9 @@ def measure_latency(session, raw_port: int, zmq_port: int, quick: bool,
                 "raw_tcp_call_bytes": lambda: raw_call.roundtrip(x_bytes),
                 "zmq_reqrep_64B": lambda: zq.roundtrip(MSG),
                 "remotorch_echo_64B": lambda: session.echo([MSG]),
-                "session_run_graph": lambda: session.run_graph(graph, args),
+                "session_run_graph": lambda: read(session.run_graph(graph, args)),
                 "mlp_local": lambda: model(x),
-                "mlp_remote": lambda: compiled(x),
+                "mlp_remote": lambda: read(compiled(x)),
             }
             if unix_session is not None:
                 on_unix = remotorch.compile(model, session=unix_session, fallback="raise")
@@ -340,12 +351,12 @@ def measure_latency(session, raw_port: int, zmq_port: int, quick: bool,
                 probes |= {"raw_unix_64B": lambda: raw_u.roundtrip(MSG),
                            "raw_unix_call_bytes": lambda: raw_u_call.roundtrip(x_bytes),
                            "unix_echo_64B": lambda: unix_session.echo([MSG]),
-                           "mlp_remote_unix": lambda: on_unix(x)}
+                           "mlp_remote_unix": lambda: read(on_unix(x))}
             if spin_session is not None:
                 spinning = remotorch.compile(model, session=spin_session, fallback="raise")
                 torch.testing.assert_close(spinning(x), expected)
                 probes |= {"spin_echo_64B": lambda: spin_session.echo([MSG]),
-                           "mlp_remote_spin": lambda: spinning(x)}
+                           "mlp_remote_spin": lambda: read(spinning(x))}
             before = session.stats()
             rows = interleaved(probes, rounds=10 if quick else 40, per_round=50, warmup=50 if quick else 200)
             after = session.stats()
@@ -359,12 +370,14 @@ def measure_latency(session, raw_port: int, zmq_port: int, quick: bool,
 
 
 def wire_bytes(session, compiled, x, expected, n: int) -> dict:
-    """Bytes sent + received per warm compiled call, against the tensors' own bytes."""
+    """Bytes sent + received per warm compiled call (its output read), against the tensors' own bytes."""
     out_bytes = expected.numel() * expected.element_size()
     in_bytes = x.numel() * x.element_size()
+    session.synchronize()
     before = session.stats()
     for _ in range(n):
-        compiled(x)
+        read(compiled(x))
+    session.synchronize()
     after = session.stats()
     sent = (after["bytes_sent"] - before["bytes_sent"]) / n
     received = (after["bytes_received"] - before["bytes_received"]) / n
@@ -390,7 +403,7 @@ def measure_bulk(session, raw_port: int, zmq_port: int, size_mb: int, repeats: i
             probes = {"raw_tcp": lambda: raw.roundtrip(view),
                       "remotorch_echo": lambda: session.echo([view]),
                       "zmq_reqrep": lambda: zq.roundtrip_bulk(view),
-                      "graph_remote": lambda: add_one(t),
+                      "graph_remote": lambda: read(add_one(t)),
                       "graph_local": lambda: t + 1}
             gmac = framing.frames_key(b"k" * 32)
             chunks = [view[at:at + framing._CHUNK] for at in range(0, view.nbytes, framing._CHUNK)]

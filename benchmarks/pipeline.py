@@ -4,8 +4,11 @@ Starts two ``remotorch serve`` workers on loopback (one intra-op thread
 each) and trains a stack of residual MLP blocks split into stages:
 
 1. per schedule (GPipe and 1F1B on 2 stages, Interleaved1F1B on 4 stages =
-   2 chunks per worker): the median step time, the bubble measured from when
-   each worker had a request in flight (``Pipeline.last_timeline``), and the
+   2 chunks per worker): the median step time (``pipe.step`` + ``opt.step``
+   until the workers have done it: the optimizer steps are sent without
+   waiting, so the timed step ends with ``session.synchronize()``), the
+   bubble measured from when each worker had a request in flight
+   (``Pipeline.last_timeline``), and the
    bubble :func:`remotorch.pipeline.simulate.simulate` predicts for the same
    schedule with the per-stage forward/backward times measured in that run;
 2. the step time of 1F1B with both stages on one worker vs one per worker
@@ -86,6 +89,7 @@ def train(session, schedule: str, stages: int, *, width: int, batch: int, microb
         pipe.step(x, y)
         opt.step()
         opt.zero_grad()
+        session.synchronize()  # the optimizer steps done on the workers (sent without waiting)
         if i >= 2:  # the first builds the pipeline, the second binds the optimizer
             times.append(time.perf_counter() - t0)
             after = session.stats()

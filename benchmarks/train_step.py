@@ -11,7 +11,9 @@ with MSE):
    ``opt.zero_grad()``), against inputs + labels + loss bytes.
    Target: <= inputs + labels + loss + 2 KiB (no weights, no activations).
 2. **Step time**: the remote step (``remotorch.compile(..., fallback="raise")``
-   and ``RemoteOptimizer(torch.optim.AdamW)``) vs the same step purely local
+   and ``RemoteOptimizer(torch.optim.AdamW)``, until the worker has done it:
+   each request is sent without waiting, so the timed step ends with
+   ``session.synchronize()``) vs the same step purely local
    (eager model, ``torch.optim.AdamW``) on this machine's CPU. Remote and
    local steps run one by one in interleaved rounds on the same batches, so
    machine noise hits both alike, and the two trainings must agree at the end:
@@ -103,6 +105,7 @@ def measure(case: Case, session: remotorch.Session, steps: int, baseline: int) -
     for i in range(n_wire):
         loss = case.remote(*batches[i % len(batches)])
         case.local(*batches[i % len(batches)])
+    session.synchronize()  # every reply read: counted
     after = session.stats()
     done += n_wire
     sent = (after["bytes_sent"] - before["bytes_sent"]) / n_wire
@@ -115,6 +118,7 @@ def measure(case: Case, session: remotorch.Session, steps: int, baseline: int) -
         xb, yb = batches[i % len(batches)]
         t0 = time.perf_counter_ns()
         case.remote(xb, yb)
+        session.synchronize()  # the step done on the worker (its requests were sent without waiting)
         t1 = time.perf_counter_ns()
         case.local(xb, yb)
         t2 = time.perf_counter_ns()

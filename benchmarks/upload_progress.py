@@ -2,7 +2,7 @@
 
 Against a real ``remotorch serve`` worker on loopback (spawned here), 256 MiB
 of weights (eight 32 MiB tensors, fresh each round so every round uploads)
-go up through ``Connection.upload`` (a fresh session each time): once with no bar (what pipes and CI
+go up through ``Connection.uploads.upload`` (a fresh session each time): once with no bar (what pipes and CI
 get), once with the bar forced on and drawn into an in-memory "terminal"
 (what a user at a terminal gets: rich's renderer and its refresh thread,
 the per-piece callback). Rounds alternate which goes first; medians are
@@ -49,7 +49,7 @@ def upload_ms(session: remotorch.Session, tensors: dict[str, torch.Tensor], with
     screen = Terminal()
     conn.upload_progress = partial(upload_bar, enabled=True, stream=screen) if with_bar else None
     start = time.perf_counter()
-    conn.upload(tensors)
+    conn.uploads.upload(tensors)
     return (time.perf_counter() - start) * 1e3, len(screen.getvalue())
 
 
