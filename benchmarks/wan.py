@@ -52,18 +52,20 @@ the torch RPC ``rpc_sync`` step and the Ray step, its case 2 faster than
 step sends at most its inputs (the batch, passed twice) + 1 KiB. Exit status
 0 when all are met, 1 when one is missed or a case could not run (a case of
 7 that fails is reported and left out; any other failure, a wrong result
-included, raises).
+included, raises). A case that takes longer than ``--hang-s`` (a deadlock)
+prints every thread's stack and ends the run with status 1.
 
 Usage::
 
     python benchmarks/wan.py [--rtt 2,20,80] [--steps 20] [--runs 1] [--cases train,branch]
-                             [--no-peers] [--quick] [--json PATH]
+                             [--no-peers] [--quick] [--json PATH] [--hang-s 600]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import platform
@@ -141,7 +143,8 @@ def run_rtts(args, units, net: Network | None, echo=None, info: dict | None = No
             if echo is not None and info is not None:
                 info.setdefault("echo_ms", {}).setdefault(f"{rtt:g}", []).append(echo_rtt(echo))
             for unit in units:
-                rows.append(summarize(unit, rtt, measure(unit, units_for(args, unit))))
+                with watchdog(args.hang_s):
+                    rows.append(summarize(unit, rtt, measure(unit, units_for(args, unit))))
         runs.append(rows)
         say(f"  run {run + 1} of {args.runs}: {', '.join(sorted({u.system for u in units}))} measured")
     return runs
@@ -175,20 +178,32 @@ def phase_remotorch(args, info: dict) -> list[list[dict]]:
 
             units += ZmqPeer(stack, net.proxy).units([c for c in args.cases if c in PEER_CASES])
         t1 = time.perf_counter()
-        units = warm_all(units, info)
+        units = warm_all(args, units, info)
         say(f"  remotorch phase: started in {t1 - t0:.1f} s, compiled, uploaded and checked in "
             f"{time.perf_counter() - t1:.1f} s")
         return run_rtts(args, units, net, echo=lambda: infers.echo([]), info=info)
 
 
-def warm_all(units: list, info: dict) -> list:
-    """Warm every unit; one of case 7 that fails is reported (the lead's request path may be changing
-    under it) and left out; any other failure raises."""
+@contextlib.contextmanager
+def watchdog(seconds: float):
+    """A unit that hangs (a deadlock) prints every thread's stack and ends the run instead of waiting forever
+    (the servers and workers exit when this process does; a local Ray would be left to ``ray stop``)."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def warm_all(args, units: list, info: dict) -> list:
+    """Warm every unit; a two-worker case (7) that fails is reported and left out, so that the other
+    cases' figures still come; any other failure raises."""
     kept = []
     for unit in units:
         t0 = time.perf_counter()
         try:
-            warm(unit)
+            with watchdog(args.hang_s):
+                warm(unit)
             say(f"  warmed {unit.case} / {unit.system} in {time.perf_counter() - t0:.1f} s")
         except Exception as exc:
             if unit.case not in ("dp", "pipeline"):
@@ -209,10 +224,14 @@ def phase_ray(args) -> list[list[dict]]:
         signal.signal(signal.SIGTERM, _terminate)  # ray.init put its own in
         units = peer.units([c for c in args.cases if c in PEER_CASES])
         for unit in units:
-            warm(unit)
+            with watchdog(args.hang_s):
+                warm(unit)
         runs = []
         for _ in range(args.runs):
-            samples = [(unit, measure(unit, units_for(args, unit))) for unit in units]
+            samples = []
+            for unit in units:
+                with watchdog(args.hang_s):
+                    samples.append((unit, measure(unit, units_for(args, unit))))
             runs.append([summarize(unit, rtt, s) for rtt in args.rtt for unit, s in samples])
         say(f"  Ray phase: {args.runs} run(s) on loopback, the RTT modelled")
         return runs
@@ -227,7 +246,8 @@ def phase_rpc(args, info: dict) -> list[list[dict]]:
         peer = RpcPeer(stack, net.proxy)
         units = peer.units([c for c in args.cases if c in PEER_CASES])
         for unit in units:
-            warm(unit)
+            with watchdog(args.hang_s):
+                warm(unit)
         info["rpc_idle_cpus"] = idle_cpu(peer.pids())
         return run_rtts(args, units, net)
 
@@ -258,6 +278,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-peers", dest="peers", action="store_false", help="remotorch only")
     p.add_argument("--quick", action="store_true", help="a smoke run: RTT 2 ms, 2 units, remotorch only")
     p.add_argument("--json", metavar="PATH", help="write every figure there as JSON")
+    p.add_argument("--hang-s", type=float, default=600.0,
+                   help="a case that takes longer than this (a warm-up, or one RTT's units) is taken for hung: "
+                        "every thread's stack is printed and the run ends (exit status 1)")
     args = p.parse_args(argv)
     if args.quick:
         args.rtt, args.steps, args.runs, args.peers, args.tokens, args.queue_steps = "2", 2, 1, False, 4, 0

@@ -28,8 +28,10 @@ def test_quick_run_prints_its_table_with_a_row_per_case(tmp_path):
     out = tmp_path / "wan.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("REMOTORCH_", "RAY_ADDRESS"))}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--cases", ",".join(ONE_WORKER + TWO_WORKERS),
-                           "--json", str(out)], capture_output=True, text=True, timeout=300, env=env)
+                           "--json", str(out), "--hang-s", "120"], capture_output=True, text=True, timeout=300,
+                          env=env)
     assert proc.returncode in (0, 1), f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert out.exists(), f"no figures (a hang prints every thread's stack):\n{proc.stderr[-6000:]}"
     data = json.loads(out.read_text())
     assert data["quick"] is True and data["rtts_ms"] == [2.0] and len(data["runs"]) == 1
     rows = {r["case"]: r for r in data["runs"][0]}
