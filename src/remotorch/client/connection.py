@@ -256,12 +256,17 @@ class Connection:
                 fields.setdefault(key, []).extend(value)
         return m.Pending(**fields)
 
-    def flush(self) -> None:
-        """Send deferred housekeeping now (normally it rides on the next request)."""
+    def flush(self, wait: bool = True) -> None:
+        """Send deferred housekeeping now (normally it rides on the next request); ``wait=False``: do
+        not wait for the worker's answer (a failure is raised at the next read)."""
         with self.lock:
             pending = self.take_pending()
-            if pending is not None:
+            if pending is None:
+                return
+            if wait:
                 self.request(m.Flush(), pending=pending, expect=m.Ok)
+            else:
+                self.link.launch(m.Flush(), (), Launched("releases", expect=m.Ok, effect=True), pending=pending)
 
     # ------------------------------------------------------------------ the path
     def call(self, build: Callable[[], tuple[object, list]], graph: Graph | None = None,

@@ -26,6 +26,13 @@ one. So the generator's state travels with the random graphs, and back:
   read) draws from the sentinel: repeatable, but not what eager would draw
   (a warning says so once; ``REMOTORCH_LAUNCH_BLOCKING=1`` makes it exact).
 
+Several workers at once (a pipeline's stages, data-parallel replicas): each
+step draws one seed from this process's generator and gives each worker's
+session a generator of its own derived from it (:meth:`Generators.fork`, as
+``DataLoader`` seeds its workers), so the same seed gives the same values run
+to run whatever order the threads send in, and no request waits on another
+worker's generator.
+
 On a CUDA worker, graphs draw from the worker's CUDA generator, seeded from
 this process's state when it travels: the same seed gives the same values
 run to run (eager on a GPU draws from the GPU's generator too).
@@ -65,6 +72,7 @@ class Generators:
         self._sentinel, self._sentinel_seed = sentinel.get_state(), seed
         self._before: torch.Tensor | None = None  # the state when it left (restored if that worker is lost)
         self._warned = False
+        self._forked: dict[int, bytes | None] = {}  # id(link) -> its own stream's first state (None: sent)
 
     def _parked(self) -> bool:
         return torch.equal(torch.get_rng_state(), self._sentinel)
@@ -73,16 +81,23 @@ class Generators:
         """The state a random graph about to go to ``link``'s worker must carry (None: its session
         goes on from the state it holds)."""
         with self._lock:
+            if id(link) in self._forked:  # a stream of its own (fork): its first state, then on from it
+                state = self._forked[id(link)]
+                self._forked[id(link)] = None
+                return state
             owner = self._owner
             if owner is not None and not self._parked():
                 self._changed_here()
                 owner = None
             if owner is link:
                 return None
-            if owner is not None:  # it lives on another worker: bring it back first (a read there)
-                owner.bring_back_generator()
-                if self._owner is not None:  # that worker could not answer: go on from here
-                    self._owner = self._last = None
+        if owner is not None:  # it lives on another worker: bring it back first (a read there)
+            owner.bring_back_generator()  # (outside this lock: that worker's link has its own)
+        with self._lock:
+            if self._owner is not None and self._owner is not link:  # it could not come back: go on
+                self._owner = self._last = None
+            if self._owner is link:
+                return None
             state = bytes(torch.get_rng_state().numpy())
             return None if id(link) in self._valid and self._mirror.get(id(link)) == state else state
 
@@ -94,11 +109,13 @@ class Generators:
             if state is not None:
                 self._mirror[id(link)] = state  # what the worker's session knows the client knows
             self._valid.discard(id(link))  # its state moves on from there: unknown until it tells
+            self._epoch += 1
+            self._last_sent[id(link)] = self._epoch
+            if id(link) in self._forked:  # its own stream: this process's generator stays where it is
+                return self._epoch
             if self._owner is None:
                 self._before = torch.get_rng_state()
             self._owner = link
-            self._epoch += 1
-            self._last_sent[id(link)] = self._epoch
             torch.set_rng_state(self._sentinel)
             return self._epoch
 
@@ -142,11 +159,34 @@ class Generators:
                         "its worker (before any read there): they are not those a local run would draw. Read "
                         "a value (or call session.synchronize()) first, or set REMOTORCH_LAUNCH_BLOCKING=1")
 
+    def fork(self, links: list) -> None:
+        """Give each of ``links`` a generator stream of its own for the next random graphs (a step on
+        several workers at once): one seed drawn from this process's generator (brought back here
+        first), and stream ``i`` seeded with it plus ``i``. Until the next fork, those links' random
+        graphs go on from their own streams."""
+        for link in {id(l): l for l in links}.values():
+            self.bring_back(link)
+        with self._lock:
+            if self._owner is not None:  # it could not come back: go on from here
+                self._owner = self._last = None
+            base = int(torch.empty((), dtype=torch.int64).random_().item())
+            self._forked = {}
+            for i, link in enumerate(links):
+                g = torch.Generator()
+                g.manual_seed((base + i) % (1 << 63))
+                self._forked[id(link)] = bytes(g.get_state().numpy())
+
+    def bring_back(self, link) -> None:
+        """Bring the state back here if it lives on ``link``'s worker (a read there)."""
+        if self._owner is link:
+            link.bring_back_generator()
+
     def forget(self, link) -> None:
         """``link``'s worker no longer holds its session's state (a new session, or the link closed)."""
         with self._lock:
             self._mirror.pop(id(link), None)
             self._valid.discard(id(link))
+            self._forked.pop(id(link), None)
             if self._owner is link:
                 self._owner = self._last = None
                 if self._parked() and self._before is not None:  # as it was before the lost graphs

@@ -259,6 +259,12 @@ class Stream:
                             "; ".join(f"{f.what}: {f.error}" for f in pending[1:4]))
             first.raise_error()
 
+    def absorb(self) -> None:
+        """Count every failure not raised yet as raised (a caller raised one error for all of them)."""
+        for failed in self.unreported:
+            failed.reported = True
+        self.unreported.clear()
+
     def raise_effects(self, before: int | None = None) -> None:
         """Raise the first failure of a request that made no value (sent before seq ``before``)."""
         for failed in self.unreported:

@@ -36,6 +36,10 @@ class ExpectHandles(msgspec.Struct, frozen=True, tag="expect_handles", omit_defa
     handles: list[int]
     metas: list[TensorMeta]  # dtype, shape, strides of each (``frame`` unused)
     ttl_s: float = 0.0  # how long the ticket may wait (0: the worker's default; capped by the worker)
+    # a ticket the client chose (16 random bytes) and its secret (32): then the client need not wait
+    # for the reply to hand it to the sending worker
+    ticket_id: bytes = b""
+    secret: bytes = b""
 
 
 class TicketReply(msgspec.Struct, frozen=True, tag="ticket_reply", omit_defaults=True):

@@ -38,6 +38,7 @@ from .optim import PipelineOptimizer
 from .runtime import StageLayout, StepRun
 from .split import Split, split_model
 from .stage import StageRunner
+from ..client.rng import GENERATORS
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +233,10 @@ class Pipeline:
                              "traced for one shape (make a new Pipeline for another)")
         for r in self.layout.runners:
             r.bind()  # parameters changed here since (load_state_dict, a local edit) go up first
+        runners = [r for layout in self.replica_layouts for r in layout.runners]
+        if any(r.forward_graph.random or r.backward_graph.random for r in runners):
+            # each worker's random graphs draw from a stream of its own, seeded from this process's generator
+            GENERATORS.fork(list({id(r.conn.link): r.conn.link for r in runners}.values()))
         if self.columns:
             each_column(self.columns, Column.sync)  # and from replica 0 to the others
         n_args = self.split.n_inputs

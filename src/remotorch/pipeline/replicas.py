@@ -74,11 +74,17 @@ class Column:
         """Replica ``rank`` starts averaging these parameters' gradients and goes on at once (overlap)."""
         client = self.clients[rank]
         ids = [client.claim(t).sid for t in params]
-        client.connection.request(m.ReduceGrads(self.group.id, ids, 1.0, bucket_bytes, wait=False), expect=m.Ok)
+        client.post(m.ReduceGrads(self.group.id, ids, 1.0, bucket_bytes, wait=False),
+                    what="averaging gradients over the replicas")
 
     def finish(self) -> None:
-        """Every member waits for the reductions it started (after every replica's last backward)."""
-        self.group.ask([m.ReduceGrads(self.group.id, []) for _ in self.clients])
+        """Every member waits for the reductions it started (after every replica's last backward).
+
+        Sent without waiting: each member's next request (an optimizer step)
+        runs after it; a failed reduction is raised at the next read there.
+        """
+        for client in self.clients:
+            client.post(m.ReduceGrads(self.group.id, []), what="finishing the gradients' averaging")
 
     def reduce(self, weight: float, bucket_bytes: int) -> None:
         ids = [self.sids(r) for r in range(len(self.clients))]

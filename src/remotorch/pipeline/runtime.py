@@ -1,25 +1,26 @@
 """The one interpreter: runs any valid schedule on the stages' workers, one thread per worker.
 
-Each worker's thread first asks its worker for a ticket per transfer it will
-receive during the step (the activations its stages take, the gradients of
-the outputs they give), then executes that worker's actions in the
-schedule's order. An action waits only for what it consumes: a forward for
-the forwards of the stages that produce its inputs, a backward for the
-backwards of the stages that took its outputs, and either for the tickets of
-the workers it delivers to. No send or receive is written anywhere: a
-producer's request carries "deliver output k to that worker under this
-ticket", derived from the split's edges, so the order of transfers is the
-order of the schedule and cannot disagree with it (the deadlocks of
-hand-ordered sends and receives cannot happen). Tickets are issued before
-any action runs, so waiting for one never waits on another action.
+Each worker's thread first tells its worker which transfers it will receive
+during the step (the activations its stages take, the gradients of the
+outputs they give), under tickets the client chose itself, then sends that
+worker's actions in the schedule's order, none waiting for its reply: the
+worker runs them in that order, and a run that takes a handle another worker
+is still to deliver waits for it there (protocol.md §18.3). No send or
+receive is written anywhere: a producer's request carries "deliver output k
+to that worker under this ticket", derived from the split's edges, so the
+order of transfers is the order of the schedule and cannot disagree with it
+(the deadlocks of hand-ordered sends and receives cannot happen).
 
-A failure on any worker stops every thread at its next wait and is raised
-from :meth:`StepRun.run`; the workers' state for that step (partial
-gradients) is then undefined: reload a checkpoint.
+So a step costs one round trip, not one per action: once every action is
+sent, each thread reads its worker's replies as they come (the timeline's
+ends, the losses), and the step returns when all are in. A failure on any
+worker is raised from :meth:`StepRun.run`; the workers' state for that step
+(partial gradients) is then undefined: reload a checkpoint.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import defaultdict
@@ -111,6 +112,7 @@ class StepRun:
         return groups
 
     def _issue_tickets(self, worker: int) -> None:
+        """Tell this worker what it will receive, under tickets chosen here (no reply awaited)."""
         for (kind, frm, to), edges in self._incoming(worker).items():
             runner = self.layout.runners[to]
             for mb in range(self.n):
@@ -120,9 +122,11 @@ class StepRun:
                     dtype, shape, _ = src.output_meta[e.output]
                     metas.append(m.TensorMeta(dtype_name(dtype), list(shape), contiguous_strides(shape), 0))
                     hids.append(runner.client.handles.reserve(1))
-                ticket, _ = runner.conn.request(m.ExpectHandles(hids, metas, ttl_s=TICKET_TTL_S))
-                if not isinstance(ticket, m.TicketReply):
-                    raise errors.ProtocolError("worker answered a ticket request with the wrong reply")
+                ticket = m.TicketReply(os.urandom(16), os.urandom(32), TICKET_TTL_S)
+                runner.client.post(m.ExpectHandles(hids, metas, ttl_s=TICKET_TTL_S, ticket_id=ticket.ticket_id,
+                                                   secret=ticket.secret),
+                                   what=f"expecting stage {frm}'s {'activations' if kind == 'F' else 'gradients'}",
+                                   expect=m.TicketReply)
                 slot = self.mbs[to][mb]
                 for e, hid in zip(edges, hids):
                     runner.client.handles.seen(hid)
@@ -168,13 +172,16 @@ class StepRun:
         sends = self._deliveries("F", stage, mb)
         local = [e for e in layout.edges if e.src == stage and not layout.remote(e)]
         t0 = time.perf_counter()
-        loss, kept = runner.forward(self.mbs[stage][mb], self.leaves[mb], self.targets[mb], sends,
-                                    sorted({e.output for e in local}))
+
+        def answered(loss) -> None:
+            if loss is not None:
+                self.losses[mb] = loss
+            ran(t0)
+
+        kept = runner.forward(self.mbs[stage][mb], self.leaves[mb], self.targets[mb], sends,
+                              sorted({e.output for e in local}), answered)
         for e in local:
             self.mbs[e.dst][mb].inputs[e.position] = kept[e.output]
-        if loss is not None:
-            self.losses[mb] = loss
-        ran(t0)
         self.done[("F", stage, mb)].set()
 
     def _backward(self, stage: int, mb: int, ran: Callable[[float], None]) -> None:
@@ -188,13 +195,12 @@ class StepRun:
         last = not runner.graphs.consumers
         t0 = time.perf_counter()
         kept = runner.backward(self.mbs[stage][mb], self.scale if last else None, sends,
-                               sorted({e.position for e in local}))
+                               sorted({e.position for e in local}), lambda _: ran(t0))
         for e in local:
             self.mbs[e.src][mb].tangents[e.output] = kept[e.position]
-        ran(t0)
         self._backwards[stage] += 1  # only this stage's worker thread counts it
         if self.grads_done is not None and self._backwards[stage] == self.n:
-            self.grads_done(stage)
+            self.grads_done(stage)  # (sent after this backward, on the same worker: runs after it)
         self.done[("B", stage, mb)].set()
 
     def _worker(self, worker: int, actions) -> None:
@@ -206,8 +212,10 @@ class StepRun:
                 run = self._forward if a.kind == "F" else self._backward
                 run(a.stage, a.microbatch, lambda t0, a=a: self.timeline.append(
                     (worker, a, t0, time.perf_counter())))
-            for stage in {a.stage for a in actions}:
-                self.layout.runners[stage].conn.flush()  # released handles go now, not with next step
+            conns = {id(self.layout.runners[a.stage].conn): self.layout.runners[a.stage].conn for a in actions}
+            for conn in conns.values():
+                conn.flush(wait=False)  # released handles go now, not with the next step
+                conn.link.settle()  # every reply of the step: the timeline's ends, the losses, failures
         except StepAborted:
             pass
         except BaseException as exc:
@@ -230,6 +238,12 @@ class StepRun:
             t.join()
         self.ended = time.perf_counter()
         if self.failure is not None:
+            for runner in self.layout.runners:  # the step's failure, raised once for every worker's
+                try:
+                    runner.conn.link.settle()
+                except Exception:  # noqa: BLE001 - the first failure is the one raised
+                    pass
+                runner.conn.link.stream.absorb()
             raise self.failure
         if any(loss is None for loss in self.losses):
             raise errors.ProtocolError("a microbatch's loss never came back")

@@ -14,12 +14,15 @@ loss comes back to the client.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import errors
 from ..capture.graph import output_devices
+from ..client import origin
+from ..client.stream import Launched
 from ..codec import messages as m
 from ..codec.frames import FrameReader
 from ..codec.graph import GraphPayload, encode_graph
@@ -99,9 +102,10 @@ class StageRunner:
 
     # ------------------------------------------------------------------ forward
     def forward(self, mb: MicrobatchHandles, leaves: list, targets: list, sends: list[Delivery],
-                keep: list[int]) -> tuple[torch.Tensor | None, dict[int, int]]:
-        """Run the forward of one microbatch: (the loss on the last stage else None, output -> handle
-        id of the outputs in ``keep``, kept on this worker for a stage here)."""
+                keep: list[int], answered: Callable[[object], None]) -> dict[int, int]:
+        """Send the forward of one microbatch, without waiting: output -> handle id of the outputs in
+        ``keep`` (kept on this worker for a stage here). ``answered(loss)`` runs when its reply is
+        read, with the loss on the last stage (else None)."""
         g = self.graphs
         values, placed = [], []
         buffers = [t for s, t in zip(g.inputs, g.tensors) if s.kind == "buffer"]
@@ -123,22 +127,25 @@ class StageRunner:
                 placed.append(arg)
             base = self.client.handles.reserve(g.n_saved + len(keep))
         fields = dict(saved_from=g.n_outputs, handle_base=base, keep=keep, send=[_send(d) for d in sends])
-        outs, frames = self._run(self.forward_graph, values, placed, fields, g.n_outputs + g.n_saved)
-        kept = self._kept(outs, keep)
+        kept = self._kept(base + g.n_saved, keep)
+
+        def read(outs: list, frames: list) -> None:
+            self._check_kept(outs, kept)
+            answered(FrameReader(frames).value(outs[0]) if not g.consumers else None)  # the last stage's loss
+
+        self._run(self.forward_graph, values, placed, fields, g.n_outputs + g.n_saved, read)
         mb.saved = [base + i for i in range(g.n_saved)]
         for hid in mb.saved:
             self.client.handles.seen(hid)
         for pos in [p for p, s in enumerate(g.inputs) if s.kind == "stage"]:
             self.client.handles.release(mb.inputs[pos])  # the forward saved what it needs of them
-        loss = None
-        if not g.consumers:  # the last stage: its one output is the loss
-            loss = FrameReader(frames).value(outs[0])
-        return loss, kept
+        return kept
 
     # ----------------------------------------------------------------- backward
     def backward(self, mb: MicrobatchHandles, scale: torch.Tensor | None, sends: list[Delivery],
-                 keep: list[int]) -> dict[int, int]:
-        """Run the backward of one microbatch; returns input position -> handle id of gradients kept here."""
+                 keep: list[int], answered: Callable[[object], None]) -> dict[int, int]:
+        """Send the backward of one microbatch, without waiting; returns input position -> handle id of
+        gradients kept here. ``answered(None)`` runs when its reply is read."""
         g = self.graphs
         placed: list = [m.HandleArg(h) for h in mb.saved]
         values: list = [None] * len(placed)
@@ -155,32 +162,42 @@ class StageRunner:
                      if self.has_grad(pos)]
             base = self.client.handles.reserve(len(keep)) if keep else 0
         fields = dict(handle_base=base, grads=grads, keep=keep, send=[_send(d) for d in sends])
-        outs, _ = self._run(self.backward_graph, values, placed, fields, len(g.inputs))
-        kept = self._kept(outs, keep)
+        kept = self._kept(base, keep)
+        self._run(self.backward_graph, values, placed, fields, len(g.inputs),
+                  lambda outs, _frames: (self._check_kept(outs, kept), answered(None)))
         for hid in (*mb.saved, *mb.tangents.values()):
             self.client.handles.release(hid)
         mb.saved, mb.tangents = [], {}
         return kept
 
-    def _run(self, graph: StageGraph, values: list, placed: list, fields: dict,
-             n_outputs: int) -> tuple[list, list]:
-        """One stage request through the connection's run path: (its outputs, their frames)."""
-        reply, frames = self.conn.run(graph, values, placed=lambda _g, _a: list(placed), fields=fields)
-        if len(reply.outputs) != n_outputs:
-            raise errors.ProtocolError("worker answered a pipeline stage with the wrong number of outputs")
-        return reply.outputs, frames
+    def _run(self, graph: StageGraph, values: list, placed: list, fields: dict, n_outputs: int,
+             read: Callable[[list, list], None]) -> None:
+        """One stage request through the connection's run path, sent without waiting; ``read(outputs,
+        frames)`` when its reply is read (a stage's activations and gradients go worker to worker,
+        and the worker runs its requests in order: nothing here needs the reply before the next)."""
+        def on_reply(reply, frames) -> None:
+            if len(reply.outputs) != n_outputs:
+                raise errors.ProtocolError("worker answered a pipeline stage with the wrong number of outputs")
+            read(reply.outputs, frames)
 
-    def _kept(self, outputs: list, keep: list[int]) -> dict[int, int]:
-        """Output index -> handle id of the outputs the worker kept for a stage on it."""
-        kept = {}
-        for k in keep:
+        launched = Launched(f"stage {self.index} {'forward' if graph is self.forward_graph else 'backward'}",
+                            on_reply, m.RunReply, effect=True, origin=origin.here())
+        self.conn.run(graph, values, placed=lambda _g, _a: list(placed), fields=fields, launched=launched)
+
+    def _kept(self, base: int, keep: list[int]) -> dict[int, int]:
+        """Output index -> handle id of the outputs the worker keeps for a stage on it (the j-th of
+        ``keep`` gets ``base + j``)."""
+        kept = {k: base + j for j, k in enumerate(keep)}
+        for hid in kept.values():
+            self.client.handles.seen(hid)
+        return kept
+
+    def _check_kept(self, outputs: list, kept: dict[int, int]) -> None:
+        for k, hid in kept.items():
             out = outputs[k]
-            if not isinstance(out, m.KeptArg):
+            if not isinstance(out, m.KeptArg) or out.id != hid:
                 raise errors.LimitExceededError("the worker could not keep a stage's activation or gradient "
                                                 "(over the session's memory quota)")
-            self.client.handles.seen(out.id)
-            kept[k] = out.id
-        return kept
 
 
 def _send(d: Delivery) -> m.SendOutputs:

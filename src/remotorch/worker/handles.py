@@ -16,6 +16,7 @@ knows about messages or sockets.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -41,9 +42,14 @@ def count_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 class HandleStore:
     """Handle id -> tensor, per session."""
 
+    #: the longest a request waits for a handle another worker is to deliver (the serving loop waits)
+    wait_s = 60.0
+
     def __init__(self) -> None:
         self._sessions: dict[object, dict[int, torch.Tensor]] = {}
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # a delivery stored handles
+        self._expected: dict[object, dict[int, float]] = {}  # session -> handle id -> deadline (monotonic)
 
     def _of(self, session: object) -> dict[int, torch.Tensor]:
         held = self._sessions.get(session)
@@ -55,21 +61,47 @@ class HandleStore:
     def drop_session(self, session: object) -> None:
         with self._lock:
             self._sessions.pop(session, None)
+            self._expected.pop(session, None)
+
+    def expect(self, session: object, ids: list[int], deadline: float) -> None:
+        """Another worker is to deliver these handles (a ticket is out): a request that needs one
+        before it arrives waits for it, until ``deadline`` or :attr:`wait_s`, whichever is sooner."""
+        with self._lock:
+            self._expected.setdefault(session, {}).update(dict.fromkeys(ids, deadline))
 
     def get(self, session: object, hid: int) -> torch.Tensor:
         try:
             return self._of(session)[hid]
         except KeyError:
-            raise MissingObjectsError(f"handle {hid} is not held by this session (released, or the "
-                                      "connection was lost)", handles=[hid]) from None
+            pass
+        with self._lock:
+            deadline = self._expected.get(session, {}).get(hid)
+            if deadline is not None:  # on its way from another worker: the pipeline's order, kept here
+                deadline = min(deadline, time.monotonic() + self.wait_s)
+                while hid not in self._of_locked(session) and time.monotonic() < deadline:
+                    self._arrived.wait(max(0.0, deadline - time.monotonic()))
+            held = self._sessions.get(session, {})
+            if hid in held:
+                return held[hid]
+        raise MissingObjectsError(f"handle {hid} is not held by this session (released, not delivered, or "
+                                  "the connection was lost)", handles=[hid])
+
+    def _of_locked(self, session: object) -> dict[int, torch.Tensor]:
+        return self._sessions.get(session, {})
 
     def put(self, session: object, ids: list[int], tensors: list[torch.Tensor]) -> None:
         """Store tensors as these handles; every id must be new to the session."""
         held = self._of(session)
-        if len(set(ids)) != len(ids) or any(h in held for h in ids):
-            raise InvalidRequestError("handle ids are already in use")
-        for h, t in zip(ids, tensors):
-            held[h] = t
+        with self._lock:
+            if len(set(ids)) != len(ids) or any(h in held for h in ids):
+                raise InvalidRequestError("handle ids are already in use")
+            for h, t in zip(ids, tensors):
+                held[h] = t
+            expected = self._expected.get(session)
+            if expected:
+                for h in ids:
+                    expected.pop(h, None)
+                self._arrived.notify_all()
 
     def view(self, session: object, hid: int, shape: list[int], strides: list[int], offset: int) -> torch.Tensor:
         """A view of a handle's tensor, ``offset`` elements from its origin; checked to stay in its storage."""
@@ -88,9 +120,12 @@ class HandleStore:
     def release(self, session: object, ids: Iterable[int]) -> None:
         """Forget handles; ids the session does not hold are ignored."""
         held = self._sessions.get(session)
+        expected = self._expected.get(session)
         if held is not None:
             for h in ids:
                 held.pop(h, None)
+                if expected:
+                    expected.pop(h, None)
 
     def tensors(self, session: object | None = None) -> Iterator[torch.Tensor]:
         """The tensors of one session (None: of every session)."""

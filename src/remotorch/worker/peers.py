@@ -57,26 +57,46 @@ class Tickets:
         self._limit = limit
         self._by_id: dict[bytes, Ticket] = {}
         self._lock = threading.Lock()
+        self._issued = threading.Condition(self._lock)
 
     max_ttl_s = 3600.0  # the longest a client may ask a ticket to wait (a long pipeline step)
+    # how long a delivery under a ticket not issued yet waits for it: a client that chose the ticket
+    # sends it to this worker and the run that delivers to the sending one at once, and the
+    # delivery may come first (it waits on its own connection's thread, never the serving loop)
+    arrival_s = 10.0
 
-    def issue(self, session: object, handles: list[int], metas: list[m.TensorMeta], ttl_s: float = 0.0) -> Ticket:
-        """A ticket for these handles; ``ttl_s`` > 0 asks for another lifetime (capped at ``max_ttl_s``)."""
+    def issue(self, session: object, handles: list[int], metas: list[m.TensorMeta], ttl_s: float = 0.0,
+              ticket_id: bytes = b"", secret: bytes = b"") -> Ticket:
+        """A ticket for these handles; ``ttl_s`` > 0 asks for another lifetime (capped at ``max_ttl_s``).
+
+        ``ticket_id`` and ``secret``: the ticket the client chose (so that it
+        need not wait for this answer before it hands the ticket to the
+        sending worker): 16 and 32 bytes, and an id no ticket has now.
+        """
         ttl = min(float(ttl_s), self.max_ttl_s) if ttl_s and ttl_s > 0 else self.ttl_s
+        if (ticket_id or secret) and (len(ticket_id) != TICKET_ID_SIZE or len(secret) != 32):
+            raise InvalidRequestError(f"a ticket the client chooses is {TICKET_ID_SIZE} bytes, its secret 32")
         with self._lock:
             now = self._clock()
             for tid in [t for t, k in self._by_id.items() if k.expires <= now]:
                 del self._by_id[tid]
             if len(self._by_id) >= self._limit:
                 raise LimitExceededError(f"over {self._limit} transfer tickets are outstanding")
-            ticket = Ticket(os.urandom(TICKET_ID_SIZE), os.urandom(32), session, list(handles), list(metas),
-                            now + ttl)
+            if ticket_id and ticket_id in self._by_id:
+                raise InvalidRequestError("a ticket with this id is outstanding")
+            ticket = Ticket(ticket_id or os.urandom(TICKET_ID_SIZE), secret or os.urandom(32), session,
+                            list(handles), list(metas), now + ttl)
             self._by_id[ticket.ticket_id] = ticket
+            self._issued.notify_all()
             return ticket
 
     def secret(self, ticket_id: bytes) -> bytes | None:
-        """The secret of an outstanding, unexpired ticket (for the handshake), else None."""
+        """The secret of an outstanding, unexpired ticket (for the handshake), else None; a ticket
+        not issued yet is waited for up to :attr:`arrival_s`."""
+        deadline = time.monotonic() + self.arrival_s
         with self._lock:
+            while ticket_id not in self._by_id and time.monotonic() < deadline:
+                self._issued.wait(max(0.0, deadline - time.monotonic()))
             ticket = self._by_id.get(ticket_id)
             return ticket.secret if ticket is not None and ticket.expires > self._clock() else None
 

@@ -297,7 +297,9 @@ class Service:
     def _expect_handles(self, session, req: m.ExpectHandles, frames) -> Reply:
         if len(req.handles) != len(req.metas) or len(set(req.handles)) != len(req.handles):
             raise InvalidRequestError("one layout per expected handle, and distinct handles")
-        ticket = self.tickets.issue(session, req.handles, req.metas, req.ttl_s)
+        ticket = self.tickets.issue(session, req.handles, req.metas, req.ttl_s, req.ticket_id, req.secret)
+        # a run that names one of them before it arrives waits for it (the sender runs in parallel)
+        self.worker.handles.expect(session, req.handles, time.monotonic() + (ticket.expires - self.tickets.now()))
         return m.encode(m.TicketReply(ticket.ticket_id, ticket.secret,
                                       ticket.expires - self.tickets.now())), []
 
