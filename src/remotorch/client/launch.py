@@ -194,4 +194,11 @@ def launchable(graph: Graph, policy, args: Sequence) -> list | None:
     if not policy.ran or graph.must_real:
         return None
     layouts = getattr(graph, "layouts", None)
-    return layouts(args) if layouts is not None else None
+    layout = layouts(args) if layouts is not None else None
+    if layout is not None and any(_is_tensor(s) and _overlapping(s) for s in layout):
+        return None  # an output that views one element many times (an expand) is no buffer to fill here
+    return layout
+
+
+def _overlapping(spec) -> bool:
+    return any(stride == 0 and size > 1 for size, stride in zip(spec.shape, spec.strides))

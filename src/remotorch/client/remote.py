@@ -238,7 +238,9 @@ def _eager(func, args, kwargs):
     pending = [a for a in tree_leaves((args, kwargs)) if type(a) in REMOTE and "_rt_ref" in a.__dict__]
     # (never for _AS_PLAIN: trying __deepcopy__ on the meta twin would leave the twin's copy in the
     # memo under an id() that the plain tensor below may reuse, and deepcopy would return it)
-    if len(pending) == 1 and args and args[0] is pending[0] and func not in _AS_PLAIN:
+    # (a gradient's placeholder reads itself in any operation, views included: no lazy view of it)
+    if len(pending) == 1 and args and args[0] is pending[0] and func not in _AS_PLAIN \
+            and type(pending[0]) is RemoteTensor:
         out = _lazy_view(func, pending[0], args, kwargs)
         if out is not NotImplemented:
             return out

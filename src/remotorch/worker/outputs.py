@@ -24,7 +24,7 @@ import torch
 
 from ..codec import messages as m
 from ..codec.tensors import contiguous_strides, dtype_from_name, dtype_name
-from ..errors import InvalidRequestError, LimitExceededError
+from ..errors import InvalidRequestError, LimitExceededError, UnsupportedGraphError
 from .handles import HandleStore
 from .training import Trainables
 
@@ -161,7 +161,10 @@ def _check_layout(shape, strides, what: str) -> int:
 
 def zeros(arg: m.ZerosArg, device: torch.device, max_bytes: int) -> torch.Tensor:
     """The tensor of zeros a ``ZerosArg`` names (dense layouts only, within the tensor size limit)."""
-    dtype = dtype_from_name(arg.dtype)
+    try:
+        dtype = dtype_from_name(arg.dtype)
+    except (ValueError, KeyError, UnsupportedGraphError) as exc:
+        raise InvalidRequestError(f"a tensor of zeros of an unknown dtype: {exc}") from None
     strides = arg.strides or contiguous_strides(arg.shape)
     numel = _check_layout(arg.shape, strides, "a tensor of zeros")
     if numel * dtype.itemsize > max_bytes:
