@@ -86,7 +86,7 @@ def test_closing_fetches_every_live_value_in_one_request(server, monkeypatch):
 
 def test_launched_calls_are_settled_and_fetched_at_close(server):
     model, xs = mlp(), [torch.randn(32, 10) for _ in range(4)]
-    with remotorch.Session(server.url, token=TOKEN, async_calls=True) as session:
+    with remotorch.Session(server.url, token=TOKEN) as session:  # calls are sent without waiting
         compiled = remotorch.compile(model, session=session, fallback="raise")
         with torch.no_grad():
             outs = [compiled(x) for x in xs]

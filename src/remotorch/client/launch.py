@@ -160,9 +160,8 @@ def _expect(arg, want, i: int) -> None:
 def launch(conn, graph: Graph, args: Sequence, plan: Plan, *, fields: dict | Callable[[], dict],
            placed=None, step: bool = False) -> list:
     """Send the run; Python's stand-ins for its outputs, at once (see :class:`Plan`)."""
-    reply_bytes = sum(nbytes(plan.layout[i]) for i in plan.echo)
     launched = Launched(f"graph {graph.graph_id[:12]}", plan.on_reply, m.RunReply, makes=tuple(
-        ("h", h) for h in plan.ids.values()), reply_bytes=reply_bytes, origin=origin.here(), step=step)
+        ("h", h) for h in plan.ids.values()), origin=origin.here(), step=step)
     outs = plan.outputs(launched)
 
     def all_fields() -> dict:

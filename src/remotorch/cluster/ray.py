@@ -78,7 +78,7 @@ class RayCluster:
     ``actor_options`` further Ray actor options (``resources``,
     ``runtime_env``…; a ``scheduling_strategy`` of one's own replaces the
     cluster's placement group), ``session_options`` further
-    :class:`remotorch.Session` arguments (``tls_ca``, ``async_calls``…).
+    :class:`remotorch.Session` arguments (``tls_ca``, ``queue``, ``blocking``…).
 
     ``token``: the workers' shared secret; by default a fresh random one
     (``secrets.token_hex(32)``). It is never logged; it travels to the

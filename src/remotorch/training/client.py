@@ -250,9 +250,10 @@ class TrainingClient:
                     keep_min_bytes=self.keep_min_bytes)
 
     def _keep(self, graph: Graph) -> list[int]:
-        """Outputs that stay on the worker until read: a forward's and (launched) a backward's that
-        Python has not read before."""
-        if not self.keep_outputs or graph.kind not in ("forward", "backward"):
+        """Outputs that stay on the worker until read: those Python has not read before, of any graph
+        (once parameters live on the worker, inference graphs run here too: a generation's cache
+        stays on the worker as it would in a session that never trained)."""
+        if not self.keep_outputs:
             return []
         return self.connection.policies.of(graph).keep(graph)
 

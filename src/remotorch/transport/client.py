@@ -13,6 +13,7 @@ import socket
 import ssl
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from urllib.parse import urlparse
@@ -111,6 +112,7 @@ class TcpTransport(Transport):
         self._channel: FramedChannel | None = None
         self._lock = threading.Lock()
         self.outstanding = 0  # posted messages whose replies are not collected yet
+        self._early: deque = deque()  # replies read while a message was being sent
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -211,15 +213,48 @@ class TcpTransport(Transport):
             if self._channel is None:
                 self._channel = self._connect()
             with _mapped_errors(self.url, self.timeout, self._drop):
-                self.bytes_sent += self._channel.send(header, frames, progress)
+                if self.outstanding and progress is None and type(self._channel.sock) is socket.socket:
+                    self.bytes_sent += self._send_reading(self._channel, header, frames)
+                else:
+                    self.bytes_sent += self._channel.send(header, frames, progress)
             self.outstanding += 1
+
+    def _send_reading(self, channel: FramedChannel, header: bytes, frames: Sequence[Buffer]) -> int:
+        """Send a message while replies to earlier ones are due, reading those that come meanwhile.
+
+        The worker stops reading a connection while a reply of its waits to be
+        written; were this side to write without reading, each would wait on
+        the other. Replies read here are handed out by :meth:`collect` first.
+        (A TLS socket sends blocking, as before: its non-blocking writes are
+        another protocol of their own.)
+        """
+        size = channel.queue(header, frames)
+        sock = channel.sock
+        sock.setblocking(False)
+        try:
+            deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            while not channel.flush():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise socket.timeout("the worker took neither the request nor its replies")
+                readable, _, _ = select.select([sock], [sock], [], left)
+                if readable:
+                    while (got := channel.poll()) is not None:
+                        self._early.append(got)
+        finally:
+            sock.settimeout(self.timeout)
+        return size
 
     def collect(self) -> tuple[bytes, list]:
         with self._lock:
             if not self.outstanding or self._channel is None:
                 raise WorkerUnavailableError(f"lost the connection to {self.url} with replies outstanding")
-            with _mapped_errors(self.url, self.timeout, self._drop):
-                reply, out = self._receive(self._channel)
+            if self._early:
+                reply, out, nbytes = self._early.popleft()
+                self.bytes_received += nbytes
+            else:
+                with _mapped_errors(self.url, self.timeout, self._drop):
+                    reply, out = self._receive(self._channel)
             self.outstanding -= 1
             return reply, out
 
@@ -227,10 +262,13 @@ class TcpTransport(Transport):
         with self._lock:
             if not self.outstanding or self._channel is None:
                 return None
-            with _mapped_errors(self.url, self.timeout, self._drop):
-                got = self._channel.poll()
-            if got is None:
-                return None
+            if self._early:
+                got = self._early.popleft()
+            else:
+                with _mapped_errors(self.url, self.timeout, self._drop):
+                    got = self._channel.poll()
+                if got is None:
+                    return None
             reply, out, nbytes = got
             self.outstanding -= 1
             self.bytes_received += nbytes
@@ -238,6 +276,7 @@ class TcpTransport(Transport):
 
     def _drop(self) -> None:
         self.outstanding = 0  # their replies went with the connection
+        self._early.clear()
         if self._channel is not None:
             try:
                 self._channel.sock.close()
