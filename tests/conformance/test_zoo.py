@@ -16,6 +16,7 @@ relatives) and writes docs/models.md.
 from __future__ import annotations
 
 import pytest
+import torch
 
 import remotorch
 from remotorch.devtools import conformance, zoo
@@ -46,3 +47,25 @@ def test_remotorch_equals_aot_eager(case, zoo_worker, zoo_references):
     assert got.remote_calls > 0 and got.fallbacks == 0, (got.remote_calls, got.fallbacks)
     why = conformance.compare(reference, got)
     assert why is None, f"{name} {mode}: {why}"
+
+
+# a decoder's training and generation, a mixture of experts (library operators), a convolutional net
+BLOCKING_CASES = [("GPT2LMHeadModel", "train"), ("GPT2LMHeadModel", "generate"), ("MixtralForCausalLM", "train"),
+                  ("ResNetForImageClassification", "train")]
+
+
+@pytest.mark.parametrize("case", BLOCKING_CASES, ids=[f"{name}-{mode}" for name, mode in BLOCKING_CASES])
+def test_blocking_mode_gives_the_same_bits_as_the_default(case, zoo_worker):
+    """``Session(blocking=True)`` (``REMOTORCH_LAUNCH_BLOCKING=1``) waits for every reply; the queued
+    default must compute exactly the same values, bit for bit."""
+    name, mode = case
+    spec = zoo.by_name(name)
+    queued = conformance.run_case(spec, mode, "remotorch", lambda: remotorch.Session(zoo_worker.url, token=TOKEN))
+    blocking = conformance.run_case(spec, mode, "remotorch",
+                                    lambda: remotorch.Session(zoo_worker.url, token=TOKEN, blocking=True))
+    assert queued.ok and blocking.ok, (queued.error, blocking.error)
+    assert queued.values.keys() == blocking.values.keys() and queued.values
+    for key, value in queued.values.items():
+        assert torch.equal(value, blocking.values[key]) or (
+            value.is_floating_point() and torch.allclose(value, blocking.values[key], rtol=0, atol=0, equal_nan=True)
+        ), key

@@ -9,12 +9,12 @@ progress bar, and the Trainer's root folder stays empty.
 
 The module compiles with ``torch.compile(body, backend="remotorch")`` and no
 options, so its graphs run on the default session (here the test server's
-session). Importing Lightning wraps ``torch.compile`` to deep-copy its
-keyword arguments whenever it compiles a module, and a ``Session`` cannot be
-deep-copied, so ``options={"session": s}`` (or ``remotorch.compile(m,
-session=s)``) raises there: the last test pins that down. Lightning is
-imported by a fixture, not when this file is collected, and ``torch.compile``
-is given back afterwards, so the rest of the run compiles without the wrapper.
+session), or with ``options={"session": s}``. Importing Lightning wraps
+``torch.compile`` to deep-copy its keyword arguments whenever it compiles a
+module: a deep copy of a ``Session`` is the session itself (a connection, not
+a value), so the graphs run on ``s``. Lightning is imported by a fixture, not
+when this file is collected, and ``torch.compile`` is given back afterwards,
+so the rest of the run compiles without the wrapper.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def default_session(session, monkeypatch):
     return session
 
 
-def _fit(L, backend: str, root) -> tuple[list[float], dict]:
+def _fit(L, backend: str, root, options: dict | None = None) -> tuple[list[float], dict]:
     class Regressor(L.LightningModule):
         """A small regression model; ``body`` is the compiled submodule."""
 
@@ -67,7 +67,7 @@ def _fit(L, backend: str, root) -> tuple[list[float], dict]:
             super().__init__()
             torch.manual_seed(0)
             body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-            self.body = torch.compile(body, backend=backend)
+            self.body = torch.compile(body, backend=backend, options=options)
             self.losses: list[float] = []
 
         def training_step(self, batch, batch_idx):
@@ -102,13 +102,17 @@ def test_lightning_fit_with_a_compiled_submodule_trains_as_aot_eager(L, default_
     assert not list(tmp_path.iterdir())  # no logs, no checkpoints
 
 
-def test_a_session_in_compile_options_meets_lightnings_deepcopy(L, session):
-    """What the README tells Lightning users: name the worker through the default session, because Lightning
-    deep-copies the keyword arguments of ``torch.compile`` and a session is not copyable. When this starts to
-    pass, sessions can be handed to ``torch.compile`` under Lightning: update the README and this test."""
+def test_a_session_in_compile_options_survives_lightnings_deepcopy_and_runs_the_graphs(L, session, tmp_path):
+    """Lightning deep-copies ``torch.compile``'s keyword arguments: the session in ``options`` stays the
+    session (its deep copy is itself), and the graphs run there, equal to aot_eager."""
     assert _lightnings(torch.compile)
-    with pytest.raises(TypeError, match="pickle"):
-        torch.compile(nn.Linear(2, 2), backend="remotorch", options={"session": session})
+    assert remotorch.client.session._default is None or remotorch.client.session._default is not session
+    want_losses, want = _fit(L, "aot_eager", tmp_path)
+    calls_before = session.stats()["remote_calls"]
+    got_losses, got = _fit(L, "remotorch", tmp_path, options={"session": session})
+    torch.testing.assert_close(got_losses, want_losses)
+    torch.testing.assert_close(got, want)
+    assert session.stats()["remote_calls"] - calls_before >= 2 * STEPS
 
 
 def test_torch_compile_is_torchs_own_after_the_lightning_tests():

@@ -104,6 +104,44 @@ def test_a_training_step_that_reads_its_loss_waits_once_and_one_that_reads_nothi
                                rtol=1e-4, atol=1e-4)
 
 
+def test_state_dict_after_queued_steps_waits_once_and_holds_the_stepped_values(wan):
+    class Regression(torch.nn.Module):  # the loss inside the module: computed on the worker too
+        def __init__(self):
+            super().__init__()
+            self.net = tiny_mlp(16, 32, 1)
+
+        def forward(self, x):
+            return self.net(x).pow(2).mean()
+
+    model = Regression()
+    reference = copy.deepcopy(model)
+    f = remotorch.compile(model, session=wan, fallback="raise")
+    opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), lr=0.1, session=wan)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    for x in xs[:1]:  # cold
+        f(x).backward()
+        opt.step()
+        opt.zero_grad()
+    before = wan.stats()
+    for x in xs[1:]:
+        f(x).backward()
+        opt.step()
+        opt.zero_grad()
+    assert delta(wan, before)["blocking_reads"] == 0  # three steps queued, none read
+    state = model.state_dict()  # a read: waits for the steps sent before it, once
+    assert delta(wan, before)["blocking_reads"] == 1
+    for x in xs:
+        reference(x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    torch.testing.assert_close(state, reference.state_dict())
+    # a copy of the compiled model (a checkpoint, an EMA) is a plain module with the same values
+    twin = copy.deepcopy(model)
+    torch.testing.assert_close(twin.state_dict(), reference.state_dict())
+    assert twin(xs[0]).item() == pytest.approx(reference(xs[0]).item())
+
+
 def branchy(x, w):
     h = torch.tanh(x @ w)
     if h.sum() > 0:  # a read: data-dependent control flow, and a graph break
@@ -114,7 +152,10 @@ def branchy(x, w):
 def test_a_function_with_a_data_dependent_branch_waits_for_its_branch_and_its_result(wan):
     f = remotorch.compile(branchy, session=wan, fallback="raise")
     w = torch.randn(32, 32)
-    xs = [torch.randn(8, 32) * (1 if i % 2 else -1) for i in range(8)]
+    base = torch.randn(8, 32)
+    xs = [base * (1 if i % 2 else -1) + 0.01 * i for i in range(8)]  # tanh is odd: the branch alternates
+    assert [bool(torch.tanh(x @ w).sum() > 0) for x in xs[:2]] == [False, True] or \
+        [bool(torch.tanh(x @ w).sum() > 0) for x in xs[:2]] == [True, False]
     with torch.no_grad():
         for x in xs[:2]:
             torch.testing.assert_close(f(x, w), branchy(x, w), rtol=0, atol=0)
@@ -263,3 +304,44 @@ def test_a_loop_that_never_reads_stays_within_its_bound(relay, session_for):
     assert s.stats()["queue_waits"] > 0  # the bound held the loop back
     assert max(held[10:]) <= max(held[:10]) + 2  # nothing piles up on the worker either
     s.synchronize()
+
+
+# -------------------------------------------------------------------- the timeline
+def test_trace_records_requests_their_round_trips_worker_runs_and_each_wait_with_its_line(wan, tmp_path):
+    import json
+
+    model = tiny_mlp(16, 32, 1)
+    f = remotorch.compile(lambda x, y: F.mse_loss(model(x), y), session=wan, fallback="raise")
+    opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), lr=0.01, session=wan)
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    for _ in range(2):  # cold, outside the trace: uploads, compiles
+        f(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    wan.synchronize()
+    path = tmp_path / "step.json"
+    with remotorch.trace(path):
+        for _ in range(3):
+            loss = f(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        loss.item()
+        read_line = _line() - 1
+        wan.synchronize()  # the last step's replies are read before the trace ends
+        sync_line = _line() - 1
+    events = json.loads(path.read_text())["traceEvents"]
+    issued = [e for e in events if e["ph"] == "i"]
+    flights = [e for e in events if e["ph"] == "X" and e["tid"].endswith("in flight")]
+    runs = [e for e in events if e["ph"] == "X" and e["tid"].endswith("worker runs")]
+    waits = [e for e in events if e["ph"] == "X" and e["pid"] == 0]
+    assert len(issued) == 3 * 3 and len(flights) == len(issued)  # forward, backward, step: each answered
+    assert [e["args"]["seq"] for e in issued] == sorted(e["args"]["seq"] for e in issued)
+    assert all(e["args"]["status"] == "ok" for e in flights)
+    assert all(e["dur"] >= 2 * DELAY_MS * 1e3 for e in flights)  # each crossed the relay both ways
+    assert runs and all(e["dur"] > 0 for e in runs)
+    assert len(waits) == 2  # only the read waited, and synchronize
+    assert f"test_wan.py:{read_line}" in waits[0]["args"]["line"], waits
+    assert f"test_wan.py:{sync_line}" in waits[1]["args"]["line"], waits
+    assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {
+        "python (blocking waits)", "requests", "workers"}

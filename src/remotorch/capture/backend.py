@@ -31,7 +31,7 @@ CUSTOM_OPS = ("worker", "decompose")
 
 # The runner graphs use when no session is given: ``remotorch.default_session``, set by the
 # package root (capture never imports the session, so the client can change without it).
-default_runner: Callable[[], GraphRunner] | None = None
+default_runner: Callable[..., GraphRunner | None] | None = None
 
 
 def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
@@ -315,14 +315,30 @@ def compile(fn, *, session=None, engine: str = "eager", fallback: str = "local",
     backend = functools.partial(remotorch_backend, session=session, engine=engine, fallback=fallback,
                                 worker=worker, custom_ops=custom_ops)
     if isinstance(fn, torch.nn.Module):
-        fn.register_state_dict_pre_hook(functools.partial(_refresh_before_state_dict, session))
+        fn.register_state_dict_pre_hook(_RefreshBeforeStateDict(session))
     return torch.compile(fn, backend=backend, dynamic=dynamic)
 
 
-def _refresh_before_state_dict(session, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+class _RefreshBeforeStateDict:
     """``module.state_dict()`` gives the trained values: the parameters an optimizer stepped on a
-    worker come back first (a read: it waits for the steps sent before it)."""
-    runner = session if session is not None else (default_runner() if default_runner is not None else None)
-    refresh = getattr(runner, "refresh", None)
-    if refresh is not None:
-        refresh(module)
+    worker come back first (a read: it waits for the steps sent before it).
+
+    A copy of the module (``copy.deepcopy``, ``torch.save`` of the whole module) keeps the hook but
+    not the session: a session is a connection, not a value to copy.
+    """
+
+    def __init__(self, session) -> None:
+        self.session = session
+
+    def __call__(self, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+        session = self.session  # None: the default session, if one is open (none: nothing ran remotely)
+        runner = session if session is not None else (default_runner(create=False) if default_runner else None)
+        refresh = getattr(runner, "refresh", None)
+        if refresh is not None:
+            refresh(module)
+
+    def __deepcopy__(self, memo) -> _RefreshBeforeStateDict:
+        return self
+
+    def __reduce__(self):
+        return (_RefreshBeforeStateDict, (None,))

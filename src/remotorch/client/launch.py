@@ -34,7 +34,8 @@ from ..codec.frames import FrameReader
 from ..codec.tensors import contiguous_strides, dtype_name
 from . import origin
 from .graph import Graph
-from .remote import RemoteGrad, RemoteTensor, fill, placeholder
+from .placeholders import fill, placeholder
+from .remote import RemoteGrad, RemoteTensor
 from .stream import Launched
 
 # saved(handle id) -> the local stand-in of a saved activation (the training client's)
@@ -44,22 +45,24 @@ Saved = Callable[[int], torch.Tensor]
 class Plan:
     """What becomes of each output of one launched run, and the placeholders made for them.
 
-    Every tensor output that is neither saved for a backward nor accumulated
-    into a slot stays on the worker as a handle while the run is in flight, so
-    a later request may name it at once; those outside ``keep`` (outputs
-    Python read before) also come back in the reply (``Run.echo``), which
-    fills their placeholders, and their handles go when the value is here.
+    A tensor output in ``keep`` (Python has not read it before) stays on the
+    worker as a handle, so a later request may name it at once; those in
+    ``echo`` too (small ones) also come back in the reply (``Run.echo``),
+    which fills their placeholders, and their handles go when the value is
+    here. Any other tensor output (one Python read before) only comes back in
+    the reply: a graph sent before that reply is read, taking it, waits for
+    it (the program read it before, so it usually reads it again first).
     """
 
-    def __init__(self, conn, graph: Graph, layout: list, keep: Sequence[int], *, saved: Saved | None = None,
-                 grads: Sequence[int] = ()) -> None:
+    def __init__(self, conn, graph: Graph, layout: list, keep: Sequence[int], *, echo: Sequence[int] = (),
+                 saved: Saved | None = None, grads: Sequence[int] = ()) -> None:
         self.conn, self.graph, self.layout = conn, graph, layout
         saved_from = graph.saved_from if saved is not None and graph.saved_from is not None else len(layout)
         self.saved = [i for i in range(saved_from, len(layout)) if _is_tensor(layout[i])]
         self.grads = set(grads)
-        kept_only = set(keep)
-        self.keep = [i for i in range(saved_from) if _is_tensor(layout[i]) and i not in self.grads]
-        self.echo = [i for i in self.keep if i not in kept_only]
+        self.keep = [i for i in keep if i < saved_from and _is_tensor(layout[i]) and i not in self.grads]
+        echoed = set(echo)
+        self.echo = [i for i in self.keep if i in echoed]
         n = len(self.saved) + len(self.keep)
         self.base = conn.handles.reserve(n) if n else 0
         self.ids = {i: self.base + j for j, i in enumerate([*self.saved, *self.keep])}
@@ -90,8 +93,9 @@ class Plan:
                 conn.handles.seen(self.ids[i])
                 out.append(self._saved(self.ids[i]))
             else:
-                hid = self.ids[i]
-                conn.handles.seen(hid)
+                hid = self.ids.get(i, 0)  # 0: it comes back in the reply
+                if hid:
+                    conn.handles.seen(hid)
                 ph = placeholder(conn, m.KeptArg(hid, "", list(spec.shape), list(spec.strides)), device, policy, i,
                                  launched, cls=cls, dtype=spec.dtype)
                 self._made[i] = weakref.ref(ph)
@@ -113,7 +117,7 @@ class Plan:
         for i, spec in enumerate(self.layout):
             arg = told.get(i)
             if arg is None:
-                if i in self.echo:
+                if _is_tensor(spec) and i not in self.ids and i not in self.grads:
                     raise errors.ProtocolError(f"output {i}: the worker's reply lacks a value it was to send")
                 if i in self._made:
                     self._settled(i)
@@ -136,7 +140,7 @@ class Plan:
         kind = type(arg)
         if kind is m.TensorArg or kind is m.EchoArg:  # sent back (asked to, or over the quota): fill it
             meta = arg.meta
-            if tuple(meta.shape) != spec.shape or (kind is m.EchoArg and arg.id != self.ids[i]):
+            if tuple(meta.shape) != spec.shape or (kind is m.EchoArg and arg.id != self.ids.get(i)):
                 raise errors.ProtocolError(f"graph {self.graph.graph_id[:12]}: output {i} came back as "
                                            f"{arg!r}, not as planned ({list(spec.shape)})")
             if ph is not None and "_rt_ref" in ph.__dict__:

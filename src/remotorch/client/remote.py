@@ -44,7 +44,6 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import errors
 from ..codec import messages as m
-from ..codec.tensors import dtype_from_name
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
@@ -155,6 +154,12 @@ class RemoteTensor(torch.Tensor):
             # while another thread compiles, when this one must read the value
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if not _EAGER:
+            _dynamo_hooks()  # (first: dynamo must not trace _remote_among inside a compiled frame either)
+        if func not in _AS_PLAIN and not _remote_among(args, kwargs) and not torch._C._len_torch_dispatch_stack():
+            # nothing here is on a worker any more (a placeholder that was read): a plain call
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         return _dynamo_hooks()(func, args, kwargs)
 
     @property
@@ -200,6 +205,21 @@ class RemoteTensor(torch.Tensor):
         return self  # to the graphs it is a plain tensor (aot_autograd checks tangents' types)
 
 
+
+
+def _remote_among(args, kwargs) -> bool:
+    """Whether a still-remote placeholder is among the arguments (or in a list or tuple of them)."""
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        kind = type(a)
+        if kind in REMOTE:
+            if "_rt_ref" in a.__dict__:
+                return True
+        elif kind is list or kind is tuple:
+            if any(type(b) in REMOTE and "_rt_ref" in b.__dict__ for b in a):
+                return True
+        elif kind is dict:  # rare: the slow path looks inside
+            return True
+    return False
 
 
 class RemoteGrad(RemoteTensor):
@@ -298,6 +318,7 @@ def _dynamo_hooks():
         from torch._dynamo.eval_frame import skip_code
 
         skip_code(RemoteTensor.__torch_function__.__func__.__code__)
+        skip_code(_remote_among.__code__)
         _EAGER.append(torch._dynamo.disable(_eager, recursive=True))
     return _EAGER[0]
 
@@ -351,25 +372,6 @@ def _lazy_view(func, src: RemoteTensor, args, kwargs):
 
 
 # ----------------------------------------------------------------------- API
-def placeholder(conn: Connection, kept: m.KeptArg, device: torch.device | None, policy=None,
-                index: int = -1, launched=None, cls: type = None, dtype: torch.dtype | None = None) -> RemoteTensor:
-    """A local stand-in for the tensor the worker kept (or, launched, will keep) as ``kept.id``.
-
-    ``kept.id`` 0: a value the reply of ``launched`` brings (it fills the
-    placeholder then). ``cls``: :class:`RemoteGrad` for a backward's outputs.
-    """
-    if not _EAGER:
-        _dynamo_hooks()
-    buf = torch.empty_strided(kept.shape, kept.strides, dtype=dtype or dtype_from_name(kept.dtype),
-                              device=device if device is not None else "cpu")
-    t = torch.Tensor._make_subclass(cls or RemoteTensor, buf, False)
-    ref = t._rt_ref = RemoteRef(kept.id, conn, policy, index, launched)
-    ref.root = weakref.ref(t)
-    if kept.id:
-        conn.handles.track(ref)
-    return t
-
-
 def _write(t: RemoteTensor, value: Tensor) -> None:
     """The value into a placeholder's buffer: an internal write, outside any dispatch mode, that
     bumps no version counter (the tensor may be saved for backward). A placeholder made under
@@ -381,20 +383,6 @@ def _write(t: RemoteTensor, value: Tensor) -> None:
         else:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t):
                 t.copy_(value)
-
-
-def fill(t: RemoteTensor, value: Tensor) -> None:
-    """Make a placeholder an ordinary tensor holding ``value`` (its call sent it back after all);
-    its views, which share its buffer, become ordinary too."""
-    _write(t, value)
-    ref = t.__dict__.pop("_rt_ref", None)
-    if ref is not None:
-        ref.launched = None
-        for view in ref.views:
-            v = view()
-            if v is not None:
-                for key in ("_rt_ref", "_rt_base", "_rt_view"):
-                    v.__dict__.pop(key, None)
 
 
 def remote_ref(t) -> RemoteRef | None:

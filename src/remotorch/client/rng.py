@@ -115,7 +115,7 @@ class Generators:
                 return self._epoch
             if self._owner is None:
                 self._before = torch.get_rng_state()
-            self._owner = link
+            self._owner, self._last = link, None  # (launched() names its Launched once it is sent)
             torch.set_rng_state(self._sentinel)
             return self._epoch
 

@@ -62,11 +62,12 @@ class GraphRunner:
         if graph.kind != "inference" or (training is not None and training.bound):
             return self.trainer(conn).run(graph, args)
         policy = conn.policies.of(graph)
-        keep = policy.keep(graph) if self.keep_outputs else []
+        unread = policy.keep(graph)
+        keep = unread if self.keep_outputs else []
         layout = launchable(graph, policy, args)
-        if layout is not None:
-            keep = [i for i in keep if nbytes(layout[i]) >= self.keep_min_bytes]
-            outs = launch(conn, graph, args, Plan(conn, graph, layout, keep), fields={})
+        if layout is not None:  # unread outputs stay until the reply: a later call may name them at once
+            echo = [i for i in unread if i not in keep or nbytes(layout[i]) < self.keep_min_bytes]
+            outs = launch(conn, graph, args, Plan(conn, graph, layout, unread, echo=echo), fields={})
         else:
             fields = dict(keep=keep, handle_base=conn.handles.reserve(len(keep)),
                           keep_min_bytes=self.keep_min_bytes) if keep else None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from functools import partial
 from collections.abc import Callable, Mapping, Sequence
-from typing import ClassVar
+from typing import ClassVar, overload
 
 import torch
 
@@ -159,6 +159,16 @@ class Session(GraphRunner):
         self.pool = Pool(urls, make, prices)
 
     # ------------------------------------------------------------------ lifetime
+    def __copy__(self) -> Session:
+        return self  # a session is a connection, not a value: a copied model or trainer shares it
+
+    def __deepcopy__(self, memo) -> Session:
+        return self
+
+    def __reduce__(self):
+        raise TypeError("a remotorch Session is a connection and cannot be pickled; "
+                        "make a new one where it is needed")
+
     def __enter__(self) -> Session:
         return self
 
@@ -364,10 +374,15 @@ _default: Session | None = None
 _default_lock = threading.Lock()
 
 
-def default_session() -> Session:
-    """The process-wide session used when none is given (created on first use)."""
+@overload
+def default_session() -> Session: ...
+@overload
+def default_session(create: bool) -> Session | None: ...
+def default_session(create: bool = True) -> Session | None:
+    """The process-wide session used when none is given (created on first use; with
+    ``create=False``, None while there is none open)."""
     global _default
     with _default_lock:
-        if _default is None or _default.closed:
+        if (_default is None or _default.closed) and create:
             _default = Session()
-        return _default
+        return _default if _default is not None and not _default.closed else None

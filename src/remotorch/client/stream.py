@@ -248,8 +248,12 @@ class Stream:
             self.before_wait()
         if self.inflight:
             self.blocking_reads += 1
+            started, last = time.perf_counter(), self.inflight[-1]
             while self.inflight:
                 self._settle_one()
+            tracer = trace.current()
+            if tracer is not None:
+                tracer.waited(self.name, started, last, origins.here())
         pending = [f for f in self.unreported if not _root(f).reported]
         self.unreported.clear()
         if pending:

@@ -28,7 +28,8 @@ from .. import errors
 from ..codec import messages as m
 from ..codec.frames import FrameReader, FrameWriter
 from ..codec.tensors import dtype_name
-from .remote import REMOTE, RemoteTensor, Tensor, arg_of, fill, placeholder, plain, remote_ref
+from .placeholders import fill, placeholder
+from .remote import REMOTE, RemoteTensor, Tensor, arg_of, plain, remote_ref
 from .graph import Graph
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ class Connection(Protocol):
 def value_arg(conn: Connection, t: RemoteTensor, w: FrameWriter):
     """A placeholder as an argument here: its handle (or view), a copy moved here, or its data."""
     ref = remote_ref(t)
+    if ref is not None and not ref.handle:  # a value its call's reply brings: wait for it (a read)
+        ref.check()
+        ref = remote_ref(t)
     if ref is None:
         return w.value(plain(t))  # fetched already: an ordinary tensor
     if ref.launched is not None and (ref.launched.done or ref.conn is not conn):
@@ -77,6 +81,8 @@ def import_values(conn: Connection, args: Sequence) -> None:
         if type(t) not in REMOTE:
             continue
         ref = remote_ref(t)
+        if ref is not None and not ref.handle:  # its call's reply brings it here: nothing to move
+            continue
         if ref is None or ref.conn is conn or (id(conn), _view_key(t)) in ref.copies:
             continue
         if conn.link.transport is not None and not conn.link.url:

@@ -30,7 +30,8 @@ from ..client.connection import Connection, Graph
 from ..client.ids import stamp
 from ..client import origin
 from ..client.launch import Plan, launch, launchable, nbytes
-from ..client.remote import REMOTE, RemoteGrad, placeholder
+from ..client.placeholders import placeholder
+from ..client.remote import REMOTE, RemoteGrad
 from ..client.stream import Launched
 from ..client.session import Session
 from ..codec import messages as m
@@ -200,8 +201,10 @@ class TrainingClient:
             policy.ran = True
             return self._unpack(graph, reply, frames, call)
         grads = self._grads(graph, call)
-        keep = [i for i in self._keep(graph) if nbytes(layout[i]) >= self.keep_min_bytes]
-        plan = Plan(conn, graph, layout, keep, saved=lambda hid: activation(self.handles, hid, call),
+        unread = self.connection.policies.of(graph).keep(graph)  # (stay until the reply, at least)
+        keep = self._keep(graph)
+        echo = [i for i in unread if i not in keep or nbytes(layout[i]) < self.keep_min_bytes]
+        plan = Plan(conn, graph, layout, unread, echo=echo, saved=lambda hid: activation(self.handles, hid, call),
                     grads=[i for i, _ in grads])
         saved_from = graph.saved_from if graph.saved_from is not None else -1
         return launch(conn, graph, args, plan, fields=dict(saved_from=saved_from, grads=grads), placed=placed)

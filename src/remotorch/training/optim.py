@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ..client import origin
-from ..client.remote import fill, placeholder
+from ..client.placeholders import fill, placeholder
 from ..client.stream import Launched
 from ..client.session import default_session
 from ..codec import messages as m

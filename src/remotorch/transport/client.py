@@ -8,6 +8,7 @@ of loopback TCP per round trip).
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import ssl
@@ -218,6 +219,9 @@ class TcpTransport(Transport):
                 else:
                     self.bytes_sent += self._channel.send(header, frames, progress)
             self.outstanding += 1
+        # the worker needs a CPU now: where this process would keep the only free one (a loaded
+        # or small machine), give it up for a moment (returns at once when another CPU is free)
+        os.sched_yield()
 
     def _send_reading(self, channel: FramedChannel, header: bytes, frames: Sequence[Buffer]) -> int:
         """Send a message while replies to earlier ones are due, reading those that come meanwhile.

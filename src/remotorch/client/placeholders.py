@@ -1,0 +1,66 @@
+"""Placeholders made and made real: the local stand-in for a value a worker keeps (or a launched
+call's reply brings), and filling it when the value is here.
+
+What a placeholder is and how it behaves is in :mod:`remotorch.client.remote`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..codec import messages as m
+from ..codec.tensors import dtype_from_name
+from .remote import _EAGER, Connection, RemoteRef, RemoteTensor, Tensor, _dynamo_hooks, _write
+
+
+def placeholder(conn: Connection, kept: m.KeptArg, device: torch.device | None, policy=None,
+                index: int = -1, launched=None, cls: type = None, dtype: torch.dtype | None = None) -> RemoteTensor:
+    """A local stand-in for the tensor the worker kept (or, launched, will keep) as ``kept.id``.
+
+    ``kept.id`` 0: a value the reply of ``launched`` brings (it fills the
+    placeholder then). ``cls``: :class:`RemoteGrad` for a backward's outputs.
+    """
+    if not _EAGER:
+        _dynamo_hooks()
+    buf = torch.empty_strided(kept.shape, kept.strides, dtype=dtype or dtype_from_name(kept.dtype),
+                              device=device if device is not None else "cpu")
+    t = torch.Tensor._make_subclass(cls or RemoteTensor, buf, False)
+    ref = t._rt_ref = RemoteRef(kept.id, conn, policy, index, launched)
+    ref.root = weakref.ref(t)
+    if kept.id:
+        conn.handles.track(ref)
+    return t
+
+
+def fill(t: RemoteTensor, value: Tensor) -> None:
+    """Make a placeholder an ordinary tensor holding ``value`` (its call sent it back after all);
+    its views, which share its buffer, become ordinary too. A placeholder nothing views takes the
+    received buffer itself (no copy)."""
+    ref = t.__dict__.get("_rt_ref")
+    if not (ref is not None and not ref.views and "_rt_base" not in t.__dict__ and _adopt(t, value)):
+        _write(t, value)
+    ref = t.__dict__.pop("_rt_ref", None)
+    if ref is not None:
+        ref.launched = None
+        for view in ref.views:
+            v = view()
+            if v is not None:
+                for key in ("_rt_ref", "_rt_base", "_rt_view"):
+                    v.__dict__.pop(key, None)
+
+
+def _adopt(t: RemoteTensor, value: Tensor) -> bool:
+    """Give ``t`` the storage of ``value`` (same dtype and sizes), as an internal write that bumps no
+    version counter; False when it cannot (an inference tensor, another device or dtype...)."""
+    with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass(), torch._C._DisableTorchDispatch():
+        if t.is_inference() or value.dtype != t.dtype or value.device != t.device or value.shape != t.shape:
+            return False
+        try:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t):
+                t.set_(value.untyped_storage(), value.storage_offset(), value.shape, value.stride())
+        except RuntimeError:
+            return False
+    return True
