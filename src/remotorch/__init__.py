@@ -19,6 +19,7 @@ from .client.stream import QueueLimits
 from .client.trace import trace
 from .capture import backend as _backend
 from .training.client import TrainingClient as _TrainingClient
+from .training.clip import install as _install_clip
 from .training.writes import install_optimizer_hooks as _install_optimizer_hooks, mark_changed
 from .devtools import models  # example models (``from remotorch import models``)
 
@@ -56,3 +57,4 @@ _register_backend()
 _backend.default_runner = default_session  # what captured graphs run on when no session is given
 Session.make_trainer = _TrainingClient  # how a session trains on a worker (client never imports training)
 _install_optimizer_hooks()  # any torch.optim step, fused ones included, marks what it wrote
+_install_clip()  # torch.nn.utils.clip_grad_norm_ over gradients a RemoteOptimizer keeps on its worker

@@ -270,6 +270,38 @@ def test_clip_grad_norm_on_the_worker(session):
     assert_same_parameters(model, reference)
 
 
+def test_torchs_own_clip_grad_norm_clips_gradients_that_live_on_the_worker(session):
+    """A loop written for torch calls ``torch.nn.utils.clip_grad_norm_(model.parameters(), …)``; with a
+    RemoteOptimizer the gradients are on the worker (``p.grad`` is None here), and it must still clip
+    them there, exactly as torch does locally."""
+    torch.manual_seed(7)
+    model = models.mlp()
+    reference, step, opt, ref_opt = remote_and_reference(model, classifier_loss, session, torch.optim.SGD, lr=0.5)
+    norms = []
+
+    def clip_both():
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        torch.testing.assert_close(norm, ref_norm)
+        norms.append(norm.item())
+
+    train_side_by_side(step, classifier_loss(reference), (opt, ref_opt), (mlp_batch(8) for _ in range(3)),
+                       between=clip_both)
+    assert len(norms) == 3 and min(norms) > 0.05  # so the clipping did something each step
+    session.pull(model)
+    assert_same_parameters(model, reference)
+    # part of the optimizer's parameters, or a mix with local ones: torch's answer needs both sides
+    with pytest.raises(ValueError, match="partly on a worker"):
+        torch.nn.utils.clip_grad_norm_(list(model.parameters())[:1], 1.0)
+    with pytest.raises(ValueError, match="partly on a worker"):
+        torch.nn.utils.clip_grad_norm_([*model.parameters(), *reference.parameters()], 1.0)
+    # parameters no RemoteOptimizer manages: torch's own function
+    plain = nn.Linear(3, 1)
+    plain(torch.ones(2, 3)).sum().backward()
+    assert torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e-3).item() > 1e-3
+    assert torch.nn.utils.clip_grad_norm_.__wrapped__(plain.parameters(), 1e-3).item() <= 1e-3 + 1e-6
+
+
 # --------------------------------------------------------- gradients and graph breaks
 class BreakNet(nn.Module):
     """Two linear layers with data-dependent control flow (a graph break) between them."""

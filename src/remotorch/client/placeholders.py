@@ -35,12 +35,16 @@ def placeholder(conn: Connection, kept: m.KeptArg, device: torch.device | None, 
     return t
 
 
+_ADOPT_BYTES = 1 << 16  # below it a copy costs less than taking over the buffer
+
+
 def fill(t: RemoteTensor, value: Tensor) -> None:
     """Make a placeholder an ordinary tensor holding ``value`` (its call sent it back after all);
     its views, which share its buffer, become ordinary too. A placeholder nothing views takes the
-    received buffer itself (no copy)."""
+    received buffer itself (no copy) when it is large."""
     ref = t.__dict__.get("_rt_ref")
-    if not (ref is not None and not ref.views and "_rt_base" not in t.__dict__ and _adopt(t, value)):
+    if not (ref is not None and not ref.views and "_rt_base" not in t.__dict__ and value.nbytes >= _ADOPT_BYTES
+            and _adopt(t, value)):
         _write(t, value)
     ref = t.__dict__.pop("_rt_ref", None)
     if ref is not None:

@@ -24,6 +24,7 @@ from ..client.session import default_session
 from ..codec import messages as m
 from ..codec.frames import SCALARS, FrameReader, FrameWriter
 from ..errors import ForeignParameterError, ProtocolError
+from . import clip
 from .client import TrainingClient
 from .params import owner_of_live, wait_for_binding
 
@@ -55,7 +56,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
     Gradients live on the worker: after ``loss.backward()`` the local
     ``p.grad`` stays ``None`` (``session.pull(module, grads=True)`` fetches
     them). Gradients that autograd did leave locally (parameters used by local
-    code) are moved to the worker before ``step()`` and ``clip_grad_norm_()``.
+    code) are moved to the worker before ``step()`` and ``clip_grad_norm_()``;
+    ``torch.nn.utils.clip_grad_norm_`` over its parameters clips on the worker
+    too (:mod:`remotorch.training.clip`).
     """
 
     runs_remotely = True  # its step() changes the worker's values, not the local ones (training/writes.py)
@@ -72,6 +75,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._client: TrainingClient | None = None
         self._id: int | None = None
         self._sent = [self._hyper(g) for g in self.param_groups]
+        clip.manage(self, self._params())  # torch.nn.utils.clip_grad_norm_ over them clips on the worker
         if client is None:  # ``client``: a given worker's training client (a pipeline's, a replica's)
             client = session.trainer() if session is not None else _holder(self._params())
         if client is not None:
