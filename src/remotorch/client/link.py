@@ -263,6 +263,12 @@ class Link:
             else:
                 self.stream.wait(until)
 
+    def poll(self) -> None:
+        """Read the replies that are here already, without waiting (a failure stays for its read)."""
+        if self.stream.inflight and not self._closed:
+            with self.lock:
+                self.stream.poll()
+
     def sync(self) -> None:
         """Wait until the worker answered everything sent; raise a failure nobody read yet."""
         with self.lock:

@@ -42,15 +42,31 @@ _LIBRARIES = _installed()
 Origin = tuple[tuple[object, int], ...]
 
 
+_SKIPPED, _LIBRARY, _USER = 0, 1, 2
+_kinds: dict[object, int] = {}  # code object -> which of the three its file is (a walk costs lookups only)
+
+
+def _kind(code) -> int:
+    name = code.co_filename
+    kind = _SKIPPED if name.startswith(_SKIP) or name.startswith("<") else (
+        _LIBRARY if name.startswith(_LIBRARIES) else _USER)
+    if len(_kinds) < 100_000:  # (generated code could make them without end)
+        _kinds[code] = kind
+    return kind
+
+
 def here() -> Origin:
     """(the user's innermost frame, and the innermost frame outside remotorch and torch if it is another)."""
     f = sys._getframe(1)
     inner = None
+    kinds = _kinds
     while f is not None:
         code = f.f_code
-        name = code.co_filename
-        if not name.startswith(_SKIP) and not name.startswith("<"):
-            if not name.startswith(_LIBRARIES):
+        kind = kinds.get(code)
+        if kind is None:
+            kind = _kind(code)
+        if kind:
+            if kind == _USER:
                 return ((code, f.f_lineno),) if inner is None else ((code, f.f_lineno), inner)
             if inner is None:
                 inner = (code, f.f_lineno)

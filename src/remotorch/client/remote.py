@@ -39,6 +39,7 @@ import weakref
 from typing import Protocol
 
 import torch
+from torch._ops import _len_torch_dispatch_stack_pre_dispatch as _len_pre_dispatch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -46,6 +47,7 @@ from .. import errors
 from ..codec import messages as m
 
 Tensor = torch.Tensor
+_dynamo_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback  # None: no compiled frame is running
 log = logging.getLogger(__name__)
 
 
@@ -130,6 +132,7 @@ NO_FETCH = {
     "names", "grad", "_base", "is_xpu", "is_mps", "output_nr", "_version", "itemsize", "nbytes",
 )}
 NO_FETCH.discard(None)
+_METADATA = frozenset(NO_FETCH - {Tensor.backward, Tensor.requires_grad_})  # (no Python frame of torch's)
 _AS_PLAIN = {Tensor.__reduce_ex__, Tensor.__repr__, Tensor.__deepcopy__}
 _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                     "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
@@ -154,12 +157,17 @@ class RemoteTensor(torch.Tensor):
             # while another thread compiles, when this one must read the value
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func in _METADATA:  # answered from the local metadata, as _eager would (its wrapper costs)
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         if not _EAGER:
-            _dynamo_hooks()  # (first: dynamo must not trace _remote_among inside a compiled frame either)
-        if func not in _AS_PLAIN and not _remote_among(args, kwargs) and not torch._C._len_torch_dispatch_stack():
+            _dynamo_hooks()  # (first: dynamo must not trace _pending_among inside a compiled frame either)
+        if func not in _AS_PLAIN and not _pending_among(args, kwargs) and not torch._C._len_torch_dispatch_stack():
             # nothing here is on a worker any more (a placeholder that was read): a plain call
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if _dynamo_callback() is None:  # outside any compiled frame: no dynamo to keep out (its wrapper costs)
+            return _eager(func, args, kwargs)
         return _dynamo_hooks()(func, args, kwargs)
 
     @property
@@ -207,19 +215,25 @@ class RemoteTensor(torch.Tensor):
 
 
 
-def _remote_among(args, kwargs) -> bool:
-    """Whether a still-remote placeholder is among the arguments (or in a list or tuple of them)."""
+def _pending_among(args, kwargs) -> list:
+    """The still-remote placeholders among the arguments (a flat scan; anything nested: pytree's)."""
+    pending = []
     for a in (*args, *kwargs.values()) if kwargs else args:
         kind = type(a)
         if kind in REMOTE:
             if "_rt_ref" in a.__dict__:
-                return True
+                pending.append(a)
         elif kind is list or kind is tuple:
-            if any(type(b) in REMOTE and "_rt_ref" in b.__dict__ for b in a):
-                return True
-        elif kind is dict:  # rare: the slow path looks inside
-            return True
-    return False
+            for b in a:
+                kb = type(b)
+                if kb in REMOTE:
+                    if "_rt_ref" in b.__dict__:
+                        pending.append(b)
+                elif kb is list or kb is tuple or kb is dict:
+                    return [x for x in tree_leaves((args, kwargs)) if type(x) in REMOTE and "_rt_ref" in x.__dict__]
+        elif kind is dict:
+            return [x for x in tree_leaves((args, kwargs)) if type(x) in REMOTE and "_rt_ref" in x.__dict__]
+    return pending
 
 
 class RemoteGrad(RemoteTensor):
@@ -255,12 +269,13 @@ def _eager(func, args, kwargs):
         # metadata, or compile-time machinery (fakeification asks untyped_storage(), is_inference()…)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
-    pending = [a for a in tree_leaves((args, kwargs)) if type(a) in REMOTE and "_rt_ref" in a.__dict__]
+    pending = _pending_among(args, kwargs)
     # (never for _AS_PLAIN: trying __deepcopy__ on the meta twin would leave the twin's copy in the
     # memo under an id() that the plain tensor below may reuse, and deepcopy would return it)
     # (a gradient's placeholder reads itself in any operation, views included: no lazy view of it)
+    # (nor of one whose call's reply brings the whole value anyway: handle 0)
     if len(pending) == 1 and args and args[0] is pending[0] and func not in _AS_PLAIN \
-            and type(pending[0]) is RemoteTensor:
+            and type(pending[0]) is RemoteTensor and pending[0].__dict__["_rt_ref"].handle:
         out = _lazy_view(func, pending[0], args, kwargs)
         if out is not NotImplemented:
             return out
@@ -318,7 +333,7 @@ def _dynamo_hooks():
         from torch._dynamo.eval_frame import skip_code
 
         skip_code(RemoteTensor.__torch_function__.__func__.__code__)
-        skip_code(_remote_among.__code__)
+        skip_code(_pending_among.__code__)
         _EAGER.append(torch._dynamo.disable(_eager, recursive=True))
     return _EAGER[0]
 
@@ -376,6 +391,18 @@ def _write(t: RemoteTensor, value: Tensor) -> None:
     """The value into a placeholder's buffer: an internal write, outside any dispatch mode, that
     bumps no version counter (the tensor may be saved for backward). A placeholder made under
     ``torch.inference_mode`` is an inference tensor: written in that mode (it has no counter)."""
+    if not torch._C._len_torch_dispatch_stack() and not _len_pre_dispatch():
+        # the common case, without the context managers (their Python costs more than the copy)
+        with torch._C.DisableTorchFunctionSubclass(), torch._C._DisableTorchDispatch():  # (RemoteGrad's)
+            if not t.is_inference():
+                version, grad = t._version, torch.is_grad_enabled()
+                torch._C._set_grad_enabled(False)
+                try:
+                    t.copy_(value)
+                finally:
+                    torch._C._set_grad_enabled(grad)
+                    torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+                return
     with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass(), torch._C._DisableTorchDispatch():
         if t.is_inference():
             with torch.inference_mode():

@@ -258,6 +258,8 @@ class Session(GraphRunner):
                    graphs_recalled=0, tensors_recalled=0, remote_ms=0.0, values_fetched=0, values_moved=0,
                    bytes_sent=0, bytes_received=0, blocking_reads=0, queue_waits=0, requests_queued=0)
         for conn in self.pool.opened:
+            if not conn.closed:
+                conn.link.poll()  # replies already here count (a launched call is counted when answered)
             for key, value in (*conn.stats.as_dict().items(), *conn.link.stream.counters().items()):
                 out[key] += value
             out["bytes_sent"] += conn.bytes_sent

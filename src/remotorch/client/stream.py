@@ -191,7 +191,8 @@ class Stream:
             self.wait(launched, read=False)
         else:
             self.requests_queued += 1
-            self._drain_ready()
+            if not alone:  # replies to earlier requests may be here (this one's cannot be yet)
+                self._drain_ready()
         return launched
 
     def request(self, body, frames: Sequence = (), expect: type | None = None, what: str = "") -> tuple:
@@ -275,6 +276,10 @@ class Stream:
             if failed.effect and not _root(failed).reported and (before is None or failed.seq < before):
                 self.unreported = [f for f in self.unreported if f is not failed]
                 failed.raise_error()
+
+    def poll(self) -> None:
+        """Read the replies that are here already, without waiting."""
+        self._drain_ready()
 
     def _drain_ready(self) -> bool:
         """Read the replies that are here already, without waiting; whether any was."""
