@@ -185,8 +185,7 @@ class RemoteTensor(torch.Tensor):
         if ref is None:
             return self
         base = self.__dict__.get("_rt_base")
-        overlapping = any(st == 0 and sz > 1 for sz, st in zip(self.shape, self.stride()))
-        if base is not None and (full or overlapping or "_rt_ref" not in base.__dict__):
+        if base is not None and (full or "_rt_ref" not in base.__dict__ or _overlapping(self)):
             RemoteTensor.materialize_(base)  # fills the shared local buffer
         else:
             try:
@@ -213,6 +212,12 @@ class RemoteTensor(torch.Tensor):
         return self  # to the graphs it is a plain tensor (aot_autograd checks tangents' types)
 
 
+
+
+def _overlapping(t: Tensor) -> bool:
+    """Whether a view repeats elements (a stride 0): it cannot be fetched as a block of its own."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return any(st == 0 and sz > 1 for sz, st in zip(t.shape, t.stride()))
 
 
 def _pending_among(args, kwargs) -> list:
