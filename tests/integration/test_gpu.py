@@ -95,9 +95,10 @@ def test_cuda_out_of_memory_is_an_error_reply_and_the_worker_goes_on(cuda_sessio
                                    model(x), atol=1e-4, rtol=1e-4)
 
 
-def test_two_cuda_replicas_average_with_nccl_and_match_one_process(start_server, session_for):
-    """Data parallelism on CUDA workers forms NCCL groups (two processes on one GPU are fine for
-    correctness): 2 replicas train as one process on the whole batch does (1e-4)."""
+def test_two_cuda_replicas_average_over_a_group_and_match_one_process(start_server, session_for):
+    """Data parallelism on CUDA workers forms NCCL groups; two workers on one GPU, which NCCL refuses
+    ("Duplicate GPU detected"), form a gloo group instead: 2 replicas train as one process on the
+    whole batch does (1e-4)."""
     workers = [start_server(name=f"nccl{i}", extra_args=("--device", "cuda")) for i in range(2)]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))

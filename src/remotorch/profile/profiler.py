@@ -219,7 +219,7 @@ class Profiler:
                 out[backend] = (BackendRun(error=message, started=started, finished=time.perf_counter()), None, exc)
                 continue
             run = BackendRun(res.times_ms, None, res.compiled, res.compile_ms, res.network_ms,
-                             started=started, finished=time.perf_counter())
+                             started=started, finished=time.perf_counter(), clock=res.clock)
             out[backend] = (run, res.outputs, None)
         return out
 

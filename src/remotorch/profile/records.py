@@ -23,6 +23,7 @@ class BackendRun:
     max_abs_diff: float | None = None  # largest |output - local eager output|
     started: float = 0.0  # client clock around the request (shows which requests overlapped)
     finished: float = 0.0
+    clock: str = ""  # what timed the runs on the worker: "monotonic", or "cuda_events" on a GPU
 
 
 @dataclass

@@ -5,8 +5,9 @@ of them (``OpenStore`` on the first member, then ``JoinGroup`` on every
 member at once) and then asks every member, at once, to broadcast the first
 member's parameters into the others' slots (``BroadcastSlots``) or to
 average the slots' gradients (``ReduceGrads``). The bytes go worker to
-worker over the group's own backend (gloo on CPU, NCCL on CUDA); the client
-sends only these small requests. Nothing here reduces anything by hand.
+worker over the group's own backend (gloo on CPU, NCCL on CUDA; gloo on CUDA
+too where two members share a GPU, which NCCL refuses); the client sends
+only these small requests. Nothing here reduces anything by hand.
 
 torch.distributed authenticates nothing, so every store and every group
 binds to the one address the operator names (``remotorch serve
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import logging
 import math
 import threading
 from dataclasses import dataclass, field
@@ -29,6 +31,8 @@ import torch.distributed as dist
 from ..codec.tensors import dtype_from_name, dtype_name
 from ..errors import GroupError, InvalidRequestError, MissingObjectsError
 from .training import Trainables
+
+log = logging.getLogger(__name__)
 
 MAX_WORLD = 1024
 _JOINED = "remotorch/joined/"  # each member writes its key here before the backend's rendezvous
@@ -84,9 +88,17 @@ class Groups:
         except (RuntimeError, ValueError) as exc:
             raise GroupError(f"cannot reach the group's store at {store}: {exc}") from None
         prefixed = dist.PrefixStore(prefix, base)
-        prefixed.set(f"{_JOINED}{rank}", b"1")
+        prefixed.set(f"{_JOINED}{rank}", self._device_key())
         try:
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" and self._shares_a_gpu(prefixed, world, timeout):
+                # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): gloo, which takes CUDA
+                # tensors through host memory, for every member (each sees the same keys)
+                log.warning("group %d: members share a GPU, which NCCL refuses: gloo instead", group)
+                opts = dist.ProcessGroupGloo._Options()
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+                opts._timeout = timeout
+                backend = dist.ProcessGroupGloo(prefixed, rank, world, opts)
+            elif self.device.type == "cuda":
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 backend = dist.ProcessGroupNCCL(prefixed, rank, world, opts)
@@ -101,6 +113,19 @@ class Groups:
                              f"{timeout_s:g}s ({str(exc).splitlines()[0][:200]})", ranks=missing) from None
         with self._lock:
             self._groups[(session, group)] = _Group(backend, rank, world, timeout)
+
+    def _device_key(self) -> bytes:
+        """What tells this worker's device from another's: a GPU's UUID (two workers may share one)."""
+        if self.device.type != "cuda":
+            return b"1"
+        return str(torch.cuda.get_device_properties(self.device).uuid).encode()
+
+    @staticmethod
+    def _shares_a_gpu(store, world: int, timeout: datetime.timedelta) -> bool:
+        """Whether two members of the group run on one GPU (it waits until every member joined)."""
+        keys = [f"{_JOINED}{r}" for r in range(world)]
+        store.wait(keys, timeout)
+        return len({store.get(k) for k in keys}) < world
 
     def leave(self, session: object, group: int) -> None:
         with self._lock:

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# remotorch on a CUDA machine, end to end, in one run (about 8 minutes on one H100):
+#
+#   bash scripts/gpu-check.sh OUT
+#
+#   1. set-up: an interpreter whose torch sees a CUDA device: $PYTHON, else python3
+#      when its torch does, else a virtualenv (.venv-gpu) with the CUDA build of
+#      torch==2.13.0 from the package index; remotorch's own requirements from the
+#      wheels in $REMOTORCH_WHEELS (a machine with no index) or from the index;
+#      remotorch itself from this checkout (PYTHONPATH=src; the compiled framing is
+#      built in place where a compiler and libcrypto are there, else the Python one);
+#   2. pytest -m gpu: the tests marked gpu, against real `remotorch serve --device cuda`;
+#   3. benchmarks/gpu_check.py: each engine on CUDA, DataParallel on two workers
+#      sharing the GPU, GPT-2 124M throughput remote / local, remote_profile with
+#      CUDA events.
+#
+# Everything lands in OUT: setup.log, pytest-gpu.log (+ .xml), gpu_check.log,
+# gpu_check.md (the tables docs/gpu.md takes), gpu_check.json, the workers' logs.
+# Exit status: 0 when every part passed, 1 otherwise, 2 when set-up failed.
+# REMOTORCH_GPU_CHECK_ARGS: more arguments for gpu_check.py ("--device cpu --quick"
+# with PYTHON set checks the script itself on a machine without a GPU).
+set -uo pipefail
+out="${1:?usage: bash scripts/gpu-check.sh OUT}"
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+cd "$repo"
+export PYTHONUNBUFFERED=1
+
+cuda_python() { "$1" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; }
+
+{
+    py="${PYTHON:-}"
+    if [[ -z "$py" ]] && cuda_python python3; then
+        py="$(command -v python3)"
+    fi
+    if [[ -z "$py" ]]; then
+        echo "setup: no interpreter with a CUDA torch: a virtualenv with torch==2.13.0 from the index"
+        python3 -m venv "$repo/.venv-gpu" && py="$repo/.venv-gpu/bin/python" \
+            && "$py" -m pip install -q "torch==2.13.0" || exit 2
+    fi
+    site="$(mktemp -d)/site"
+    missing=$("$py" - <<'EOF'
+import importlib.util
+need = ["msgspec", "numpy", "cryptography", "rich", "transformers", "pytest", "sybil"]
+print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
+EOF
+)
+    if [[ -n "$missing" ]]; then
+        if [[ -n "${REMOTORCH_WHEELS:-}" ]]; then
+            echo "setup: $missing from the wheels in $REMOTORCH_WHEELS"
+            "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$REMOTORCH_WHEELS"/*.whl || exit 2
+        else
+            echo "setup: $missing from the index"
+            "$py" -m pip install -q --target "$site" $missing || exit 2
+        fi
+    fi
+    export PYTHONPATH="$site:$repo/src${PYTHONPATH:+:$PYTHONPATH}"
+    ( "$py" setup.py -q build_ext --inplace >/dev/null 2>&1 && echo "setup: compiled framing built" ) \
+        || echo "setup: compiled framing not built (no compiler or libcrypto headers): the Python framing"
+    "$py" -c 'import torch, remotorch; print("setup: torch", torch.__version__, "CUDA", torch.version.cuda,
+torch.cuda.get_device_name(0) if torch.cuda.is_available() else "(no CUDA device)")' || exit 2
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/setup: /'
+    echo "$py" > "$out/.python"
+    echo "$PYTHONPATH" > "$out/.pythonpath"
+} 2>&1 | tee "$out/setup.log"
+status=${PIPESTATUS[0]}
+[[ $status -eq 0 ]] || exit 2
+py="$(cat "$out/.python")"
+export PYTHONPATH="$(cat "$out/.pythonpath")"
+
+"$py" -m pytest -m gpu tests/integration/test_gpu.py tests/integration/test_training_gpu.py -q -p no:cacheprovider \
+    --junitxml "$out/pytest-gpu.xml" 2>&1 | tee "$out/pytest-gpu.log"
+tests=${PIPESTATUS[0]}
+
+"$py" benchmarks/gpu_check.py "$out" ${REMOTORCH_GPU_CHECK_ARGS:-} 2>&1 | tee "$out/gpu_check.log"
+check=${PIPESTATUS[0]}
+echo "gpu-check: pytest -m gpu exit $tests; gpu_check.py exit $check"
+[[ $tests -eq 0 && $check -eq 0 ]]
