@@ -161,3 +161,37 @@ def test_one_hots_class_checks_run_on_a_cpu_worker_and_are_refused_on_an_acceler
         run(torch.tensor([4]))
     with pytest.raises(UnsupportedGraphError, match="_assert_async"):  # a device-side assertion there
         engines.compile_graph(eager, graph, torch.device("cuda"), [torch.tensor([0])], None)
+
+
+def _attention_ops(device_type: str) -> set[str]:
+    """The aten operators aot_autograd traces for attention and its backward, traced for a worker of
+    ``device_type`` (forward and backward graphs together)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from remotorch.capture.backend import portable_attention
+
+    seen: set[str] = set()
+
+    def collect(gm, example_inputs):
+        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+    q, k, v = (torch.randn(2, 2, 8, 4, requires_grad=True) for _ in range(3))
+    torch._dynamo.reset()
+    with portable_attention(device_type):
+        compiled = torch.compile(attend, backend=aot_autograd(fw_compiler=collect, bw_compiler=collect),
+                                 fullgraph=True)
+        compiled(q, k, v).backward()
+    torch._dynamo.reset()
+    return seen
+
+
+def test_attention_traced_here_for_a_cuda_worker_is_its_math_not_this_cpus_kernel():
+    cpu, cuda = _attention_ops("cpu"), _attention_ops("cuda")
+    assert any("_for_cpu" in op for op in cpu)  # a CPU worker keeps the fused CPU kernel
+    assert not any("_for_cpu" in op for op in cuda), sorted(cuda)
+    assert any("bmm" in op for op in cuda) and any("softmax" in op for op in cuda), sorted(cuda)

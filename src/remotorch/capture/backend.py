@@ -15,6 +15,7 @@ into aten operators any worker runs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -62,7 +63,7 @@ def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
     make = functools.partial(_compile_aten, session=session, engine=engine, fallback=fallback, worker=worker,
                              made=made)
     extra = {"decompositions": custom_decompositions()} if custom_ops == "decompose" else {}
-    with _effect_tokens_inside():
+    with _effect_tokens_inside(), portable_attention(_worker_device(session, worker)):
         compiled = aot_autograd(fw_compiler=functools.partial(make, static=True, kind="forward"),
                                 inference_compiler=functools.partial(make, static=True),
                                 bw_compiler=functools.partial(make, static=False, kind="backward"),
@@ -170,6 +171,34 @@ def _placeholders_seen(compiled):
             return compiled(*args)
 
     return run
+
+
+def _worker_device(session, worker) -> str:
+    """The device type of the worker the graphs will run on ("cpu" when it cannot be asked now: the
+    run reaches it later, or falls back)."""
+    try:
+        runner = session if session is not None else (default_runner() if default_runner else None)
+        device = runner.connection_for(worker).info().get("device", "cpu")
+    except Exception:  # no worker yet: its graphs fail or fall back as any other call would
+        return "cpu"
+    return str(device).partition(":")[0]
+
+
+def portable_attention(device_type: str):
+    """Where this process traces for another device: attention as its math, not this CPU's kernel.
+
+    This process traces with fake tensors of its own device. On a CPU,
+    ``scaled_dot_product_attention`` picks the CPU-only fused kernel
+    (``_scaled_dot_product_flash_attention_for_cpu`` and its backward), which a
+    CUDA worker cannot run. Traced with the math backend, the graph holds
+    matrix products and a softmax, and its backward is derived from them: it
+    runs on any device. A CPU worker keeps the fused kernel.
+    """
+    if device_type == "cpu":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 def custom_decompositions() -> dict:

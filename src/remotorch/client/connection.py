@@ -266,7 +266,7 @@ class Connection:
             if wait:
                 self.request(m.Flush(), pending=pending, expect=m.Ok)
             else:
-                self.link.launch(m.Flush(), (), Launched("releases", expect=m.Ok, effect=True), pending=pending)
+                self.link.launch(m.Flush(), (), Launched("releases", expect=m.Ok, effect=True, quiet=True), pending=pending)
 
     # ------------------------------------------------------------------ the path
     def call(self, build: Callable[[], tuple[object, list]], graph: Graph | None = None,

@@ -80,6 +80,8 @@ class Launched:
     upload): a failure is raised at the next read on the stream. ``makes``:
     keys of the objects it creates on the worker (``("h", handle id)``), so a
     later request that misses one of them fails with this call's error.
+    ``quiet``: lost with its worker, it loses nothing Python holds (releases of
+    values that went with the worker): not raised unread.
     """
 
     what: str
@@ -87,6 +89,7 @@ class Launched:
     expect: type | None = None
     on_error: Callable[[errors.RemoteError], None] | None = None
     effect: bool = False
+    quiet: bool = False
     makes: tuple = ()
     step: bool = False  # an optimizer step: counts against QueueLimits.steps
     origin: tuple = ()
@@ -339,7 +342,8 @@ class Stream:
         if len(self.failed_objects) > 65536:  # old failures: their objects' ids are never reused
             for key in list(self.failed_objects)[:32768]:
                 del self.failed_objects[key]
-        self.unreported.append(launched)
+        if not (launched.quiet and isinstance(exc, errors.WorkerUnavailableError)):
+            self.unreported.append(launched)  # (a quiet one lost with its worker loses nothing)
 
     def _root_of(self, exc: errors.MissingObjectsError) -> Launched | None:
         keys = ([("h", h) for h in exc.handles] + [("t", t) for t in exc.tensors]

@@ -56,7 +56,7 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}") from None
 
 
-def _is_permuted_contiguous(shape, strides) -> bool:
+def is_permuted_contiguous(shape, strides) -> bool:
     """True when the strides are a permutation of a contiguous layout (no gaps, no overlap)."""
     expected = 1
     for size, stride in sorted((p for p in zip(shape, strides) if p[0] != 1), key=lambda p: p[1]):
@@ -70,7 +70,7 @@ def _dense_span(t: torch.Tensor) -> torch.Tensor | None:
     """A 1-D contiguous view over the storage a dense tensor covers, or None."""
     if t.is_contiguous():
         return t.reshape(-1)
-    if not _is_permuted_contiguous(t.shape, t.stride()):
+    if not is_permuted_contiguous(t.shape, t.stride()):
         return None
     span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return torch.as_strided(t, (span,), (1,), t.storage_offset())

@@ -36,7 +36,7 @@ from ..client.stream import Launched
 from ..client.session import Session
 from ..codec import messages as m
 from ..codec.frames import FrameReader, FrameWriter
-from ..codec.tensors import contiguous_strides, dtype_name
+from ..codec.tensors import contiguous_strides, dtype_name, is_permuted_contiguous
 from .handles import ForwardCall, call_of, handle_of
 from .handles import placeholder as activation
 from .params import ParamSlots, Slot, owner_of, waiting_optimizers
@@ -234,9 +234,10 @@ class TrainingClient:
                 run_args[i] = m.SlotArg(slot.sid)
             elif graph.kind == "backward" and isinstance(a, torch.Tensor) and all_zero(a):
                 # autograd's made-up gradient for an output that got none: its layout is enough
+                # (a layout with gaps or overlap travels row-major, as its bytes would)
                 strides = list(a.stride())
-                run_args[i] = m.ZerosArg(dtype_name(a.dtype), list(a.shape),
-                                         [] if strides == contiguous_strides(a.shape) else strides)
+                dense = strides != contiguous_strides(a.shape) and is_permuted_contiguous(a.shape, strides)
+                run_args[i] = m.ZerosArg(dtype_name(a.dtype), list(a.shape), strides if dense else [])
         return run_args
 
     def _fields(self, graph: Graph, call: ForwardCall) -> dict:
