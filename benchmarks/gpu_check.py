@@ -163,6 +163,15 @@ def _timed(step, units: int, blocks: int) -> float:
     return statistics.median(rates)
 
 
+def _math_rate(step, units: int, blocks: int) -> float:
+    """``step``'s rate with attention as its math (what a client without this GPU's kernels traces)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        step()
+        return _timed(step, units, blocks)
+
+
 def part_throughput(workers: Workers, device: str, quick: bool) -> dict:
     size = dict(n_layer=2, n_embd=64, n_head=2, vocab=500, positions=64) if quick else \
         dict(n_layer=12, n_embd=768, n_head=12, vocab=50257, positions=1024)
@@ -189,7 +198,9 @@ def part_throughput(workers: Workers, device: str, quick: bool) -> dict:
         local_rate, remote_rate = _timed(local_fwd, units, blocks), _timed(remote_fwd, units, blocks)
         local_rate, remote_rate = max(local_rate, _timed(local_fwd, units, blocks)), max(
             remote_rate, _timed(remote_fwd, units, blocks))  # (alternated: each side's best of two)
+        math_rate = _math_rate(local_fwd, units, blocks)
     out["forward"] = dict(local_steps_s=local_rate, remote_steps_s=remote_rate, ratio=remote_rate / local_rate,
+                          local_math_steps_s=math_rate, ratio_to_math=remote_rate / math_rate,
                           loss_local=want, loss_remote=got, status="PASS" if remote_rate >= 0.9 * local_rate else "FAIL")
     del local, remote
     torch._dynamo.reset()
@@ -219,7 +230,9 @@ def part_throughput(workers: Workers, device: str, quick: bool) -> dict:
     local_rate, remote_rate = _timed(local_step, units, blocks), _timed(remote_step, units, blocks)
     local_rate, remote_rate = max(local_rate, _timed(local_step, units, blocks)), max(
         remote_rate, _timed(remote_step, units, blocks))
+    math_rate = _math_rate(local_step, units, blocks)
     out["train"] = dict(local_steps_s=local_rate, remote_steps_s=remote_rate, ratio=remote_rate / local_rate,
+                        local_math_steps_s=math_rate, ratio_to_math=remote_rate / math_rate,
                         first_loss_local=first_local, first_loss_remote=first_remote,
                         status="PASS" if remote_rate >= 0.9 * local_rate else "FAIL")
     out["config"] = dict(size, batch=batch, seq=seq, steps_per_block=units, blocks=blocks)
@@ -254,7 +267,11 @@ def part_profile(workers: Workers, device: str) -> dict:
                 walls.append((time.perf_counter() - t0) * 1e3)
         rows[e] = dict(graph_ms_reported=summary.graph_ms, wall_ms_client=statistics.median(walls),
                        compile_ms=summary.compile_ms)
-    return dict(clocks=clocks, engines=rows, status="PASS" if (device != "cuda" or clocks == ["cuda_events"]) else "FAIL")
+    calls = dict(calls=report.calls, timed=report.timed_calls, compiled=report.compile_calls,
+                 fell_back=report.fallback_calls, failed=report.failed_calls,
+                 failures={b: report.summaries[b].failures for b in report.summaries if report.summaries[b].failures})
+    return dict(clocks=clocks, engines=rows, calls=calls,
+                status="PASS" if (device != "cuda" or clocks == ["cuda_events"]) else "FAIL")
 
 
 PARTS = ("engines", "data_parallel", "throughput", "profile")
@@ -336,14 +353,15 @@ def render(r: dict) -> str:
               f"loss differences {dp.get('loss_diffs', dp.get('error'))}; parameters {dp.get('param_max_diff')})"]
     t = r.get("throughput", {})
     lines += ["", f"throughput ({t.get('config', t.get('error'))}):", "",
-              "| step | local steps/s | remote steps/s | remote / local | target >= 0.9 |", "|---|---|---|---|---|"]
+              "| step | local steps/s | remote steps/s | remote / local | target >= 0.9 "
+              "| local, math attention, steps/s | remote / local math |", "|---|---|---|---|---|---|---|"]
     for k in ("forward", "train"):
         row = t.get(k)
         if row:
             lines.append(f"| {k} | {row['local_steps_s']:.2f} | {row['remote_steps_s']:.2f} | {row['ratio']:.3f} | "
-                         f"{row['status']} |")
+                         f"{row['status']} | {row['local_math_steps_s']:.2f} | {row['ratio_to_math']:.3f} |")
     pr = r.get("profile", {})
-    lines += ["", f"remote_profile: clocks {pr.get('clocks', pr.get('error'))}", "",
+    lines += ["", f"remote_profile: clocks {pr.get('clocks', pr.get('error'))}; calls {pr.get('calls')}", "",
               "| engine | graph ms (worker, reported) | call ms (client wall clock) |", "|---|---|---|"]
     for name, row in pr.get("engines", {}).items():
         g = row["graph_ms_reported"]

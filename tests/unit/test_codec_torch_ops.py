@@ -195,3 +195,28 @@ def test_attention_traced_here_for_a_cuda_worker_is_its_math_not_this_cpus_kerne
     assert any("_for_cpu" in op for op in cpu)  # a CPU worker keeps the fused CPU kernel
     assert not any("_for_cpu" in op for op in cuda), sorted(cuda)
     assert any("bmm" in op for op in cuda) and any("softmax" in op for op in cuda), sorted(cuda)
+
+
+def test_the_inductor_engine_runs_a_view_whose_input_inductor_lays_out_otherwise():
+    """A ``cat`` with an empty operand (an empty key cache) becomes its other operand, transposed,
+    when inductor traces the graph again: a ``view`` traced after it would fail; the engine's
+    reshape runs it."""
+    from types import SimpleNamespace
+
+    from remotorch.worker.engines import inductor
+
+    def f(x, past):
+        k = x.view(2, 4, 2, 3).transpose(1, 2)
+        t = torch.cat([past, k], -2).transpose(-2, -1) * 0.5
+        return (t.expand(2, 2, 3, 4).view(4, 3, 4) + 1,)
+
+    x, past = torch.randn(2, 4, 6), torch.empty(2, 2, 0, 3)
+    gm = make_fx(f)(x, past)
+    assert torch.ops.aten.view.default in {n.target for n in gm.graph.nodes}
+    with pytest.raises(Exception, match="Cannot view"):  # what inductor alone does with this graph
+        torch.compile(gm, backend="inductor", fullgraph=True)(x, past)
+    torch._dynamo.reset()
+    fn = inductor.compile(SimpleNamespace(module=gm, inputs=[{}, {}]), torch.device("cpu"), [x, past])
+    torch.testing.assert_close(fn(x, past)[0], f(x, past)[0])
+    assert torch.ops.aten.view.default in {n.target for n in gm.graph.nodes}  # the graph itself is unchanged
+    torch._dynamo.reset()
