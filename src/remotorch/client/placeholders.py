@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..codec import messages as m
 from ..codec.tensors import dtype_from_name
-from .remote import _EAGER, Connection, RemoteRef, RemoteTensor, Tensor, _dynamo_hooks, _write
+from .remote import _EAGER, Connection, RemoteRef, RemoteTensor, Tensor, _dynamo_hooks
+from .writes import write as _write
 
 
 def placeholder(conn: Connection, kept: m.KeptArg, device: torch.device | None, policy=None,

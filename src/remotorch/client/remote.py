@@ -39,12 +39,11 @@ import weakref
 from typing import Protocol
 
 import torch
-from torch._ops import _len_torch_dispatch_stack_pre_dispatch as _len_pre_dispatch
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import errors
 from ..codec import messages as m
+from .writes import write as _write
 
 Tensor = torch.Tensor
 _dynamo_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback  # None: no compiled frame is running
@@ -392,31 +391,6 @@ def _lazy_view(func, src: RemoteTensor, args, kwargs):
 
 
 # ----------------------------------------------------------------------- API
-def _write(t: RemoteTensor, value: Tensor) -> None:
-    """The value into a placeholder's buffer: an internal write, outside any dispatch mode, that
-    bumps no version counter (the tensor may be saved for backward). A placeholder made under
-    ``torch.inference_mode`` is an inference tensor: written in that mode (it has no counter)."""
-    if not torch._C._len_torch_dispatch_stack() and not _len_pre_dispatch():
-        # the common case, without the context managers (their Python costs more than the copy)
-        with torch._C.DisableTorchFunctionSubclass(), torch._C._DisableTorchDispatch():  # (RemoteGrad's)
-            if not t.is_inference():
-                version, grad = t._version, torch.is_grad_enabled()
-                torch._C._set_grad_enabled(False)
-                try:
-                    t.copy_(value)
-                finally:
-                    torch._C._set_grad_enabled(grad)
-                    torch._C._autograd._unsafe_set_version_counter((t,), (version,))
-                return
-    with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass(), torch._C._DisableTorchDispatch():
-        if t.is_inference():
-            with torch.inference_mode():
-                t.copy_(value)
-        else:
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t):
-                t.copy_(value)
-
-
 def remote_ref(t) -> RemoteRef | None:
     """The handle a still-remote placeholder stands for, else None (also for every other value)."""
     return t.__dict__.get("_rt_ref") if type(t) in REMOTE else None
