@@ -137,3 +137,22 @@ def test_zero_dim_and_empty_tensors(session):
 
 def test_scalar_outputs(session):
     run_both(lambda t: (t.sum(), t.shape[0] * 2), session, (torch.randn(3, 2),))
+
+
+def test_an_expanded_output_comes_back_with_its_layout(session):
+    """An output that views one element many times (``expand``: stride 0) is filled once per element."""
+    def f(x):
+        return x.expand(3, 4, 5), (x * 2).expand(2, 4, 5), x.t().expand(2, 5, 4)
+
+    compiled = compile_remote(f, session)
+    x = torch.randn(4, 1).expand(4, 5).contiguous()[:, :1]
+    with torch.no_grad():
+        got, want = compiled(x), torch.compile(f, backend="aot_eager")(x)
+    assert_same(got, want)
+    assert [t.stride() for t in got] == [t.stride() for t in want]
+    big = torch.randn(1, 512).expand(4096, 512)  # an expanded input travels as its one row (2 KiB, not 8 MiB)
+    before = session.stats()["bytes_sent"]
+    with torch.no_grad():
+        assert_same(compile_remote(lambda t: t * 3 + 1, session)(big), big * 3 + 1)
+    assert session.stats()["bytes_sent"] - before < 1 << 20
+    assert session.stats()["fallbacks"] == 0

@@ -93,6 +93,15 @@ def tensor_to_wire(t: torch.Tensor, frame: int) -> tuple[TensorMeta, memoryview]
         t = t.resolve_neg()
     name = dtype_name(t.dtype)
     flat = _dense_span(t) if t.numel() else t.new_empty(0)
+    if flat is None and 0 in t.stride():  # expanded: each element once, its layout kept (stride 0)
+        base = t
+        for d, (n, st) in enumerate(zip(t.shape, t.stride())):
+            if st == 0 and n > 1:
+                base = base.narrow(d, 0, 1)
+        flat = _dense_span(base)
+        if flat is not None:
+            meta = TensorMeta(name, list(t.shape), list(t.stride()), frame)
+            return meta, memoryview((flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat).numpy()).cast("B")
     if flat is None:
         t = t.contiguous()
         flat = t.reshape(-1)
