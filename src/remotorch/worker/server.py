@@ -13,6 +13,7 @@ from ..codec import messages as m
 from ..errors import LimitExceededError, ProtocolError
 from ..transport.listener import TcpServer
 from .service import Service
+from .tenants import Tenants
 from .worker import Worker
 
 
@@ -23,13 +24,15 @@ class WorkerServer:
                  token: str | None = None, *, max_frame_bytes: int = 1 << 38,
                  max_message_bytes: int | None = None, lease_s: float = 30.0,
                  tls: ssl.SSLContext | None = None, message_timeout: float = 60.0,
-                 unix_path: str | None = None, spin_s: float | None = 0.0, peer_tls_ca: str | None = None) -> None:
+                 unix_path: str | None = None, spin_s: float | None = 0.0, peer_tls_ca: str | None = None,
+                 tenants: Tenants | None = None) -> None:
         self.worker = worker
         if max_message_bytes is not None:  # no single frame may exceed the whole message either
             max_frame_bytes = min(max_frame_bytes, max_message_bytes)
         self.service = Service(worker, lease_s=lease_s, max_message_bytes=max_message_bytes)
         self.service.peer_tls_ca = peer_tls_ca
         self.service.peer_timeout_s = message_timeout
+        tenancy = self.service.use_tenants(tenants) if tenants is not None else None
         self._tcp = TcpServer(self.service.handle, host, port, token, protocol=m.PROTOCOL_VERSION,
                               max_frame=max_frame_bytes, on_disconnect=self.service.disconnected,
                               max_header=min(64 << 20, max_message_bytes or 64 << 20),
@@ -37,7 +40,9 @@ class WorkerServer:
                               tls=tls, message_timeout=message_timeout, unix_path=unix_path,
                               spin_s=spin_s, max_message=max_message_bytes,
                               limit_error=lambda msg: m.encode(m.ErrorReply(LimitExceededError.kind, msg)),
-                              tickets=self.service.tickets.secret, ticket_handler=self.service.deliver)
+                              tickets=self.service.tickets.secret, ticket_handler=self.service.deliver,
+                              tenants=tenants, on_connect=None if tenancy is None else tenancy.connected,
+                              between=self._between)
         self.service.close_connection = self._tcp.close_connection
         self.address = self._tcp.address
         self.scheme = "unix" if unix_path is not None else "tls" if tls is not None else "tcp"
@@ -58,6 +63,15 @@ class WorkerServer:
         finally:
             self._reaper_stop.set()
             self.service.peers.close()
+
+    def reload_tokens(self) -> None:
+        """Read the tokens file again, between requests (safe in a signal handler: SIGHUP)."""
+        self.service.request_reload()
+        self._tcp.wake()
+
+    def _between(self) -> None:
+        if self.service.reload_pending:
+            self.service.reload_tokens()
 
     def shutdown(self) -> None:
         """Stop serving (the request in progress finishes first). Safe from any thread."""
