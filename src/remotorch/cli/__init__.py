@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from .serve import ServeError, _size, add_serve_parser, cmd_serve, make_server, serve_args  # noqa: F401
@@ -271,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from ..worker.logs import configure
+
+    configure(getattr(args, "log_format", "text"), args.verbose)
     return args.fn(args)

@@ -8,6 +8,7 @@ one on the command line.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -73,6 +74,14 @@ def make_server(args: argparse.Namespace, token: str | None = None):
         raise ServeError(f"refusing to listen on {args.host} without a token "
                          "(give --token, --tokens or REMOTORCH_TOKEN, or --insecure to accept anyone who can "
                          "reach the port)")
+    metrics = None
+    if args.metrics:
+        from ..worker.metrics import parse_address
+
+        try:
+            metrics = parse_address(args.metrics)
+        except ValueError as exc:
+            raise ServeError(str(exc)) from None
     tenants = None
     if args.tokens:
         from ..worker.tenants import Tenants
@@ -101,7 +110,9 @@ def make_server(args: argparse.Namespace, token: str | None = None):
         return WorkerServer(worker, args.host, args.port, token, max_message_bytes=args.max_message_bytes,
                             lease_s=args.lease, tls=tls, message_timeout=args.message_timeout,
                             unix_path=args.unix, spin_s=None if spin_us is None else spin_us / 1e6,
-                            peer_tls_ca=args.peer_tls_ca, tenants=tenants)
+                            peer_tls_ca=args.peer_tls_ca, tenants=tenants, metrics=metrics)
+    except ValueError as exc:  # (--metrics without prometheus_client)
+        raise ServeError(str(exc)) from None
     except OSError as exc:
         raise ServeError(f"cannot listen: {exc}") from None
 
@@ -150,8 +161,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         threading.Thread(target=watch, daemon=True).start()
     print(f"{READY_PREFIX}{server.url}", flush=True)
     allowed = f", custom operators: {', '.join(sorted(worker.allow_ops))}" if worker.allow_ops else ""
-    print(f"remotorch: worker {worker.name!r} on {worker.device}, engines: {', '.join(worker.engines)}{allowed}",
-          file=sys.stderr, flush=True)
+    lines = [f"worker {worker.name!r} on {worker.device}, engines: {', '.join(worker.engines)}{allowed}"]
+    if server.metrics_address is not None:
+        lines.append("metrics at http://{}:{}/metrics".format(*server.metrics_address))
+    for line in lines:  # (a JSON log says it as records)
+        if args.log_format == "json":
+            logging.getLogger("remotorch.serve").info(line)
+        else:
+            print(f"remotorch: {line}", file=sys.stderr, flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -175,6 +192,13 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                             "memory_quota, max_sessions, requests_per_second, allow_ops); stored as hashes only; "
                             "SIGHUP reads it again (a removed token's sessions end); see docs/security.md")
     serve.add_argument("--name", default="worker", help="the worker's name in reports")
+    serve.add_argument("--log-format", choices=("text", "json"), default="text",
+                       help="text (the default, human-readable) or json: one JSON object per line, with a "
+                            "record per request (tenant, session, type, duration, outcome); never tokens or "
+                            "tensor bytes")
+    serve.add_argument("--metrics", default=None, metavar="[HOST:]PORT",
+                       help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST defaults to 127.0.0.1; "
+                            "port 0 picks one, printed at start-up); needs prometheus_client")
     serve.add_argument("--threads", type=int, default=0,
                        help="CPU threads for graph kernels (default: torch's choice)")
     serve.add_argument("--unix", default=None, metavar="PATH",

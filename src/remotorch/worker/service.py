@@ -80,6 +80,7 @@ class Service:
         self._nonce_key = secrets.token_bytes(32)  # each session's possession nonce derives from it (§20)
         self.replays = Replays(error_reply)  # what each session's stream ran, to run nothing twice
         self.tenancy: Tenancy | None = None  # named tenants (``use_tenants``); None: one, unnamed
+        self.last_body = self.last_run = None  # the last request's message, and (engine, ms) of a graph it ran
         self.reload_pending = False  # SIGHUP asked to read the tokens file again (done between requests)
 
     def use_tenants(self, tenants: Tenants) -> Tenancy:
@@ -136,6 +137,7 @@ class Service:
     def handle(self, cid: int, header: bytes, frames: list) -> Reply:
         """Decode one request, run it, encode the reply (errors included)."""
         self._connections.add(cid)
+        self.last_body = self.last_run = None  # (what the metrics read after each request)
         try:
             try:
                 env = m.decode_envelope(header)
@@ -144,6 +146,7 @@ class Service:
             self._check_size(header, frames)
         except RemoteError as exc:
             return error_reply(exc), []
+        self.last_body = env.body
         if env.seq < 0 or env.ack < 0:
             return error_reply(ProtocolError("sequence numbers are never negative")), []
         if self.reload_pending:
@@ -256,6 +259,7 @@ class Service:
     def _run(self, session, req: m.Run, frames) -> Reply:
         """Run a graph; the worker disposes of each output as the request's plan says."""
         ran = self.worker.run(session, req, frames, self._send)
+        self.last_run = (req.engine, ran.ms)
         w = FrameWriter()
         value = w.value
         if req.brief:  # only what the client does not know: values, and outputs not disposed of as planned

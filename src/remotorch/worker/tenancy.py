@@ -114,6 +114,15 @@ class Tenancy:
                      and not isinstance(self.leases.key(c), Lease)]
         return keys
 
+    def session_counts(self) -> dict[str, int]:
+        """Live sessions by tenant name."""
+        out: dict[str, int] = {}
+        for kid in {lease.kid for lease in self.leases.leases()} | set(self._kid.values()):
+            tenant = self.tenants.get(kid) if kid is not None else self.tenants.get(None)
+            if tenant is not None:
+                out[tenant.name] = len(self.sessions(tenant.key_id))
+        return out
+
     def _kid_of(self, session: object) -> bytes | None:
         if isinstance(session, Lease):
             return session.kid
