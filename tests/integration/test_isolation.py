@@ -163,3 +163,44 @@ def test_training_slots_optimizers_and_handles_are_per_session(make_session):
     reply, frames = owner.connection.request(m.PullSlots([9001]))
     assert torch.equal(remotorch.codec.tensors.tensor_from_wire(reply.values[0], frames[0]), value)
     owner.connection.request(m.OptimStep(9006))  # the owner's optimizer is still there
+
+
+def test_tenants_cannot_reach_each_others_values_graphs_or_sessions(start_server, tmp_path):
+    """Two tenants of one worker (``--tokens``): bob, knowing alice's ids, reaches nothing of hers."""
+    from test_tenants import ALICE, BOB, mlp, table
+
+    path = tmp_path / "tokens.toml"
+    path.write_text(table("alice", ALICE) + table("bob", BOB))
+    srv = start_server(token=None, name="shared", extra_args=("--tokens", str(path)))
+    model, x = mlp(1), torch.randn(3, 16)
+    with remotorch.Session(srv.url, token=ALICE) as alice, remotorch.Session(srv.url, token=BOB) as bob:
+        compiled = remotorch.compile(model, session=alice, fallback="raise")
+        with torch.no_grad():
+            kept = compiled(x) * 1  # (a value computed on the worker)
+            assert torch.equal(compiled(x), model(x))
+        (gid,) = alice.connection.graphs
+        tids = sorted(alice.connection.tensors)
+        meta, buf = tensor_to_wire(x, 0)
+        run = m.Run(gid, "eager", [m.TensorArg(meta)] + [m.RefArg(t) for t in tids])
+        with pytest.raises(errors.MissingObjectsError) as info:  # alice's graph and weights, by id
+            bob.connection.request(run, [buf])
+        assert info.value.graphs == [gid] and sorted(info.value.tensors) == tids
+        for handle in range(1, 64):  # alice's kept values, by handle
+            with pytest.raises(errors.MissingObjectsError):
+                bob.connection.request(m.Fetch([m.HandleArg(handle)]))
+        bob.connection.request(m.Flush(), pending=m.Pending(handles=list(range(64)), tensors=tids))  # not its ids
+        # alice's session id (a secret of hers, learned somehow) attaches no connection of bob's
+        reply, _ = bob.connection.transport.request(m.encode(m.Attach(alice.connection.session_id)))
+        refused = m.decode(reply)
+        assert isinstance(refused, m.ErrorReply) and refused.kind == errors.InvalidRequestError.kind
+        assert "no such session for this token" in refused.message
+        # the bytes of alice's weights give bob the weights, not alice's graph
+        for p in model.parameters():
+            pmeta, pbuf = tensor_to_wire(p.detach(), 0)
+            bob.connection.request(m.PutTensors([content_id(pmeta, pbuf)], [pmeta]), [pbuf])
+        with pytest.raises(errors.MissingObjectsError) as info:
+            bob.connection.request(run, [buf])
+        assert info.value.graphs == [gid] and info.value.tensors == []
+        with torch.no_grad():  # alice is untouched
+            assert torch.equal(compiled(x), model(x))
+            torch.testing.assert_close(kept, model(x))

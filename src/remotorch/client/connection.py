@@ -117,6 +117,10 @@ class Connection:
         return self.link.bytes_sent
 
     @property
+    def messages_sent(self) -> int:
+        return self.link.messages_sent
+
+    @property
     def bytes_received(self) -> int:
         return self.link.bytes_received
 

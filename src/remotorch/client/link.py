@@ -201,6 +201,10 @@ class Link:
         return self._transport.bytes_sent if self._transport is not None else 0
 
     @property
+    def messages_sent(self) -> int:
+        return self._transport.messages_sent if self._transport is not None else 0
+
+    @property
     def bytes_received(self) -> int:
         return self._transport.bytes_received if self._transport is not None else 0
 

@@ -253,10 +253,12 @@ class Session(GraphRunner):
     def stats(self) -> dict:
         """Counters since the session started, over every worker: calls, fallbacks, uploads (and
         objects taken from a worker's disk cache instead, ``*_recalled``), bytes,
-        values fetched from workers when Python read them, values moved worker to worker."""
+        values fetched from workers when Python read them, values moved worker to worker, and the
+        request messages sent (``messages_sent``: heartbeats and housekeeping included)."""
         out = dict(remote_calls=0, fallbacks=self._fallbacks, graphs_uploaded=0, tensors_uploaded=0,
                    graphs_recalled=0, tensors_recalled=0, remote_ms=0.0, values_fetched=0, values_moved=0,
-                   bytes_sent=0, bytes_received=0, blocking_reads=0, queue_waits=0, requests_queued=0)
+                   bytes_sent=0, bytes_received=0, messages_sent=0, blocking_reads=0, queue_waits=0,
+                   requests_queued=0)
         for conn in self.pool.opened:
             if not conn.closed:
                 conn.link.poll()  # replies already here count (a launched call is counted when answered)
@@ -264,6 +266,7 @@ class Session(GraphRunner):
                 out[key] += value
             out["bytes_sent"] += conn.bytes_sent
             out["bytes_received"] += conn.bytes_received
+            out["messages_sent"] += conn.messages_sent
         return out
 
     def synchronize(self) -> None:

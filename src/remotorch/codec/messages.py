@@ -24,7 +24,7 @@ from .training import (AccumulateGrads, BindSlots, ClipGradNorm, Hyper, NormRepl
                        PullSlots)
 from .values import Deliver, ExpectHandles, Fetch, FetchReply, SendHandles, TicketReply
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_BINDINGS = 4096  # argument bindings a session may hold on a worker (Run.bind, §8.1)
 SHORT_GRAPH_ID = 16  # hex digits of a graph id that name it in a Run once the session ran it
 

@@ -26,6 +26,7 @@ class Transport(abc.ABC):
     """
 
     bytes_sent: int = 0
+    messages_sent: int = 0  # request messages (heartbeats and housekeeping included)
     bytes_received: int = 0
     on_connect: OnConnect | None = None
     outstanding: int = 0  # posted messages whose replies are not collected yet

@@ -115,6 +115,7 @@ class TcpTransport(Transport):
         self.outstanding = 0  # posted messages whose replies are not collected yet
         self._early: deque = deque()  # replies read while a message was being sent
         self.bytes_sent = 0
+        self.messages_sent = 0
         self.bytes_received = 0
 
     def _connect(self) -> FramedChannel:
@@ -155,6 +156,7 @@ class TcpTransport(Transport):
                   progress: Callable[[int], None] | None = None) -> tuple:
         """One message and its reply on ``channel``; socket errors are the caller's to map."""
         self.bytes_sent += channel.send(header, frames, progress)
+        self.messages_sent += 1
         return self._receive(channel)
 
     def _receive(self, channel: FramedChannel) -> tuple:
@@ -216,8 +218,10 @@ class TcpTransport(Transport):
             with _mapped_errors(self.url, self.timeout, self._drop):
                 if self.outstanding and progress is None and type(self._channel.sock) is socket.socket:
                     self.bytes_sent += self._send_reading(self._channel, header, frames)
+                    self.messages_sent += 1
                 else:
                     self.bytes_sent += self._channel.send(header, frames, progress)
+                    self.messages_sent += 1
             self.outstanding += 1
         # the worker needs a CPU now: where this process would keep the only free one (a loaded
         # or small machine), give it up for a moment (returns at once when another CPU is free)

@@ -1,14 +1,22 @@
-"""Opening a connection: a mutual challenge–response on the shared token, yielding the session key.
+"""Opening a connection: a mutual challenge–response on the token, yielding the session key.
 
 Both ends send a hello (magic, protocol version, 32 random bytes); each proves
-it knows the token by a MAC over both nonces, the worker first, so a client
+it knows the secret by a MAC over both nonces, the worker first, so a client
 never talks to a worker that does not share its token, and the token itself
 never crosses the wire. The session key then keys every message's MAC
 (:mod:`remotorch.transport.framing`).
+
+A client's hello (``RMTK``) is followed by the 16-byte key id of its token
+(:func:`key_id`): the worker, which may serve several tenants and stores only
+their tokens' SHA-256, picks the tenant by it, and the proofs are made with
+that hash. A hello of another worker presenting a one-time ticket (``RMTT``)
+is followed by the ticket's id, its secret proved instead. The plain hello
+(``RMTH``) proves the raw token, for a worker with one ``--token``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import socket
@@ -20,9 +28,21 @@ import numpy as np
 from .framing import MAC_SIZE, AuthFailed, FramingError, _mac
 
 HELLO = b"RMTH"
+KEYED_HELLO = b"RMTK"  # a client naming its token by key id; proofs made with the token's SHA-256
 TICKET_HELLO = b"RMTT"  # a worker presenting another worker's one-time ticket instead of the token
 _HELLO = struct.Struct("<4sI32s")
 TICKET_ID_SIZE = 16
+KEY_ID_SIZE = 16
+
+
+def token_hash(token: str | bytes) -> bytes:
+    """The SHA-256 of a token: what a worker stores, and the secret a keyed hello proves."""
+    return hashlib.sha256(token if isinstance(token, bytes) else token.encode()).digest()
+
+
+def key_id(secret: bytes) -> bytes:
+    """The key id a keyed hello names a token by (from its hash; reveals neither)."""
+    return hashlib.sha256(b"remotorch key id\x00" + secret).digest()[:KEY_ID_SIZE]
 
 
 def recv_exact(sock: socket.socket, n: int) -> np.ndarray:
@@ -50,7 +70,8 @@ def client_handshake(sock: socket.socket, token: bytes, version: int, ticket_id:
     """
     cn = os.urandom(32)
     if ticket_id is None:
-        sock.sendall(_HELLO.pack(HELLO, version, cn))
+        token = token_hash(token)  # what the proofs are made with: the worker stores only the hash
+        sock.sendall(_HELLO.pack(KEYED_HELLO, version, cn) + key_id(token))
     else:
         if len(ticket_id) != TICKET_ID_SIZE:
             raise ValueError("a ticket id is 16 bytes")
@@ -72,25 +93,38 @@ def client_handshake(sock: socket.socket, token: bytes, version: int, ticket_id:
 
 
 def server_handshake(sock: socket.socket, token: bytes, version: int) -> bytes:
-    """Server side of :func:`client_handshake`; raises AuthFailed on a bad proof."""
+    """Server side of :func:`client_handshake` for one token; raises AuthFailed on a bad proof."""
     return accept_handshake(sock, token, version)[0]
 
 
-def accept_handshake(sock: socket.socket, token: bytes, version: int,
-                     tickets: Callable[[bytes], bytes | None] | None = None) -> tuple[bytes, bytes | None]:
-    """Server side of :func:`client_handshake`: (session key, the ticket id the peer presented or None).
+def accept_handshake(sock: socket.socket, token: bytes | None, version: int,
+                     tickets: Callable[[bytes], bytes | None] | None = None,
+                     keys: Callable[[bytes], bytes | None] | None = None) -> tuple[bytes, bytes | None, bytes | None]:
+    """Server side of :func:`client_handshake`: (session key, the ticket id the peer presented or None,
+    the key id a keyed hello named or None).
 
-    ``tickets(ticket_id)`` gives an outstanding ticket's secret (None: no such
-    ticket). A peer naming an unknown ticket is answered as one with a wrong
-    token (a proof made with a random secret), so the answer tells nothing.
+    ``token``: the raw token a plain hello proves (None: plain hellos fail).
+    ``keys(key_id)`` gives the token hash a keyed hello's key id names (None:
+    no such tenant); without it, the only key is ``token``'s. ``tickets(ticket_id)``
+    gives an outstanding ticket's secret (None: no such ticket). A peer naming
+    an unknown ticket or key is answered as one with a wrong token (a proof
+    made with a random secret), so the answer tells nothing.
     """
     magic, cversion, cn = _HELLO.unpack(recv_exact(sock, _HELLO.size).tobytes())
-    ticket_id = None
-    if magic == TICKET_HELLO and tickets is not None:
+    ticket_id = kid = None
+    if magic == KEYED_HELLO:
+        kid = recv_exact(sock, KEY_ID_SIZE).tobytes()
+        if keys is None:
+            mine = token_hash(token) if token is not None else None
+            keys = lambda k: mine if mine is not None and hmac.compare_digest(k, key_id(mine)) else None  # noqa: E731
+        token = keys(kid) or os.urandom(32)
+    elif magic == TICKET_HELLO and tickets is not None:
         ticket_id = recv_exact(sock, TICKET_ID_SIZE).tobytes()
         token = tickets(ticket_id) or os.urandom(32)
     elif magic != HELLO:
         raise FramingError("peer did not open with a remotorch hello")
+    elif token is None:
+        token = os.urandom(32)  # no plain token here (tenants only): answered as a wrong one
     sn = os.urandom(32)
     server_proof, expect_client, key = _derive(token, cn, sn)
     sock.sendall(_HELLO.pack(HELLO, version, sn) + server_proof)
@@ -101,4 +135,4 @@ def accept_handshake(sock: socket.socket, token: bytes, version: int,
         sock.sendall(b"\x00")
         raise AuthFailed("client failed the token challenge")
     sock.sendall(b"\x01")
-    return key, ticket_id
+    return key, ticket_id, kid

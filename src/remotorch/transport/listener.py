@@ -68,8 +68,13 @@ class TcpServer:
                  spin_s: float | None = 0.0, max_message: int | None = None,
                  limit_error: Callable[[str], bytes] | None = None,
                  tickets: Callable[[bytes], bytes | None] | None = None,
-                 ticket_handler: TicketHandler | None = None) -> None:
+                 ticket_handler: TicketHandler | None = None, tenants=None,
+                 on_connect: Callable[[int, bytes | None], None] | None = None,
+                 between: Callable[[], None] | None = None) -> None:
         self._handler = handler
+        self._tenants = tenants  # token hashes by key id, and the plain token (worker.tenants.Tenants)
+        self._on_connect = on_connect  # (connection id, the key id its hello named) once authenticated
+        self._between = between  # run on the serving thread after each wake-up (see wake())
         self._tickets = tickets if ticket_handler is not None else None
         self._ticket_handler = ticket_handler
         self._spin = Spin(spin_s)  # busy-poll for the next message before sleeping (None: auto)
@@ -124,7 +129,11 @@ class TcpServer:
             conn.settimeout(30.0)
             if self._tls is not None:
                 conn = wrap_server(self._tls, conn)
-            key, ticket = accept_handshake(conn, self._token, self._protocol, self._tickets)
+            if self._tenants is None:
+                key, ticket, kid = accept_handshake(conn, self._token, self._protocol, self._tickets)
+            else:
+                key, ticket, kid = accept_handshake(conn, self._tenants.legacy_token, self._protocol,
+                                                    self._tickets, self._tenants.secret)
         except AuthFailed as exc:
             log.warning("connection %d from %s refused: %s", cid, peer, exc)
             conn.close()
@@ -136,6 +145,8 @@ class TcpServer:
         if ticket is not None:
             self._serve_ticket(cid, conn, key, ticket)
             return
+        if self._on_connect is not None:
+            self._on_connect(cid, kid)
         if self._tls is None:
             conn.setblocking(False)  # reads are polled; sends wait up to send_timeout themselves
         else:
@@ -195,6 +206,8 @@ class TcpServer:
                         else:
                             self._serve_one(sel, key.data)
                 self._drop_stalled(sel)
+                if self._between is not None:
+                    self._between()
         finally:
             self._finish_writes()
             for cid in list(self._channels):
@@ -345,6 +358,13 @@ class TcpServer:
                 channel.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+    def wake(self) -> None:
+        """Wake the serving loop (it runs ``between`` then); safe from any thread or a signal handler."""
+        try:
+            self._wake_w.send(b"\x00")
+        except OSError:
+            pass
 
     def shutdown(self) -> None:
         """Stop accepting and serving; safe from any thread or a signal handler."""

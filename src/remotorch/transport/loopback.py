@@ -50,6 +50,7 @@ class LoopbackTransport(Transport):
         self.requests = 0  # messages handed to the handler (attach included)
         self._posted: deque = deque()  # replies of posted messages, oldest first
         self.bytes_sent = 0
+        self.messages_sent = 0
         self.bytes_received = 0
 
     @property
@@ -62,6 +63,7 @@ class LoopbackTransport(Transport):
             raise WorkerUnavailableError("loopback worker is down")
         self.requests += 1
         self.bytes_sent += message_size(header, frames)
+        self.messages_sent += 1
         reply, out = self._handler(self.connection_id, bytes(header), _copied(frames))
         self.bytes_received += message_size(reply, out)
         return bytes(reply), _copied(out)

@@ -51,6 +51,10 @@ class HandleStore:
         self._arrived = threading.Condition(self._lock)  # a delivery stored handles
         self._expected: dict[object, dict[int, float]] = {}  # session -> handle id -> deadline (monotonic)
 
+    def count(self) -> int:
+        """Tensors kept by handle, all sessions together."""
+        return sum(len(held) for held in list(self._sessions.values()))
+
     def _of(self, session: object) -> dict[int, torch.Tensor]:
         held = self._sessions.get(session)
         if held is None:

@@ -34,6 +34,7 @@ class Lease:
     connections: set = field(default_factory=set)
     last_seen: float = 0.0
     detached_at: float | None = None
+    kid: bytes | None = None  # the key id of the tenant whose connection made it
 
     def __repr__(self) -> str:  # never print the capability itself
         return f"Lease({self.session_id[:6]}…, connections={len(self.connections)})"
@@ -82,6 +83,25 @@ class LeaseTable:
             lease.last_seen, lease.detached_at = now, None
             self._by_conn[cid] = lease
             return resumed, displaced
+
+    def lookup(self, session_id: str) -> Lease | None:
+        """The lease of a session id, if one is in the table."""
+        with self._lock:
+            return self._by_id.get(session_id)
+
+    def leases(self) -> list[Lease]:
+        """Every lease in the table now (a copy)."""
+        with self._lock:
+            return list(self._by_id.values())
+
+    def drop(self, lease: Lease) -> list[int]:
+        """End a lease now, whoever serves it; its connections (no longer attached)."""
+        with self._lock:
+            if self._by_id.get(lease.session_id) is lease:
+                del self._by_id[lease.session_id]
+            for c in lease.connections:
+                self._by_conn.pop(c, None)
+            return list(lease.connections)
 
     def begin(self, cid: int) -> None:
         """A request of this connection starts running."""

@@ -46,6 +46,10 @@ class Replays:
         self._streams: dict[Hashable, _Stream] = {}
         self._error_reply = error_reply
 
+    def unacknowledged(self) -> int:
+        """Replies kept because their clients have not acknowledged them, all sessions together."""
+        return sum(len(stream.replies) for stream in list(self._streams.values()))
+
     def acknowledge(self, session: Hashable, ack: int) -> None:
         """The client has read every reply up to ``ack``: forget those."""
         stream = self._streams.get(session)

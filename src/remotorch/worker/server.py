@@ -6,13 +6,18 @@ Socket I/O lives in :mod:`remotorch.transport.listener`; message dispatch in
 
 from __future__ import annotations
 
+import logging
 import ssl
 import threading
+import time
 
 from ..codec import messages as m
 from ..errors import LimitExceededError, ProtocolError
 from ..transport.listener import TcpServer
 from .service import Service
+from .logs import REQUESTS, log_request
+from .metrics import Metrics, error_kind, request_type
+from .tenants import Tenants
 from .worker import Worker
 
 
@@ -23,22 +28,31 @@ class WorkerServer:
                  token: str | None = None, *, max_frame_bytes: int = 1 << 38,
                  max_message_bytes: int | None = None, lease_s: float = 30.0,
                  tls: ssl.SSLContext | None = None, message_timeout: float = 60.0,
-                 unix_path: str | None = None, spin_s: float | None = 0.0, peer_tls_ca: str | None = None) -> None:
+                 unix_path: str | None = None, spin_s: float | None = 0.0, peer_tls_ca: str | None = None,
+                 tenants: Tenants | None = None, metrics: tuple[str, int] | None = None) -> None:
         self.worker = worker
         if max_message_bytes is not None:  # no single frame may exceed the whole message either
             max_frame_bytes = min(max_frame_bytes, max_message_bytes)
         self.service = Service(worker, lease_s=lease_s, max_message_bytes=max_message_bytes)
         self.service.peer_tls_ca = peer_tls_ca
         self.service.peer_timeout_s = message_timeout
-        self._tcp = TcpServer(self.service.handle, host, port, token, protocol=m.PROTOCOL_VERSION,
+        tenancy = self.service.use_tenants(tenants) if tenants is not None else None
+        self.metrics = Metrics(self.service) if metrics is not None else None
+        self._log_requests = REQUESTS.isEnabledFor(logging.INFO)  # (--log-format json)
+        observed = self.metrics is not None or self._log_requests
+        handler = self._observed if observed else self.service.handle
+        self._tcp = TcpServer(handler, host, port, token, protocol=m.PROTOCOL_VERSION,
                               max_frame=max_frame_bytes, on_disconnect=self.service.disconnected,
                               max_header=min(64 << 20, max_message_bytes or 64 << 20),
                               protocol_error=lambda msg: m.encode(m.ErrorReply(ProtocolError.kind, msg)),
                               tls=tls, message_timeout=message_timeout, unix_path=unix_path,
                               spin_s=spin_s, max_message=max_message_bytes,
                               limit_error=lambda msg: m.encode(m.ErrorReply(LimitExceededError.kind, msg)),
-                              tickets=self.service.tickets.secret, ticket_handler=self.service.deliver)
+                              tickets=self.service.tickets.secret, ticket_handler=self.service.deliver,
+                              tenants=tenants, on_connect=None if tenancy is None else tenancy.connected,
+                              between=self._between)
         self.service.close_connection = self._tcp.close_connection
+        self.metrics_address = self.metrics.serve(*metrics) if self.metrics is not None else None
         self.address = self._tcp.address
         self.scheme = "unix" if unix_path is not None else "tls" if tls is not None else "tcp"
         self._reaper_stop = threading.Event()
@@ -58,6 +72,35 @@ class WorkerServer:
         finally:
             self._reaper_stop.set()
             self.service.peers.close()
+            if self.metrics is not None:
+                self.metrics.close()
+
+    def _observed(self, cid: int, header: bytes, frames: list):
+        """The service's handler, counted in the metrics and logged (``--log-format json``)."""
+        started = time.perf_counter()
+        reply = self.service.handle(cid, header, frames)
+        service = self.service
+        kind = error_kind(reply[0])
+        nbytes_in = len(header) + sum(memoryview(f).nbytes for f in frames)
+        nbytes_out = len(reply[0]) + sum(memoryview(f).nbytes for f in reply[1])
+        if self.metrics is not None:
+            self.metrics.observe(cid, service.last_body, kind, nbytes_in, nbytes_out, service.last_run)
+        if self._log_requests:
+            tenancy = service.tenancy
+            log_request(tenancy.name(cid) if tenancy is not None else "", service.leases.key(cid),
+                        request_type(service.last_body) if service.last_body is not None else "malformed",
+                        (time.perf_counter() - started) * 1e3, kind or "ok", nbytes_in, nbytes_out,
+                        service.last_run)
+        return reply
+
+    def reload_tokens(self) -> None:
+        """Read the tokens file again, between requests (safe in a signal handler: SIGHUP)."""
+        self.service.request_reload()
+        self._tcp.wake()
+
+    def _between(self) -> None:
+        if self.service.reload_pending:
+            self.service.reload_tokens()
 
     def shutdown(self) -> None:
         """Stop serving (the request in progress finishes first). Safe from any thread."""

@@ -30,6 +30,8 @@ from ..transport import framing
 from .leases import SESSION_ID, LeaseTable
 from .outputs import Echo
 from .replay import Replays
+from .tenancy import Tenancy
+from .tenants import Tenants
 from .peers import PeerLinks, Tickets, deliver_proof
 from .worker import Worker
 
@@ -77,11 +79,41 @@ class Service:
         self.peer_tls_ca: str | None = None  # CA to check tls:// workers this one sends to
         self._nonce_key = secrets.token_bytes(32)  # each session's possession nonce derives from it (§20)
         self.replays = Replays(error_reply)  # what each session's stream ran, to run nothing twice
+        self.tenancy: Tenancy | None = None  # named tenants (``use_tenants``); None: one, unnamed
+        self.last_body = self.last_run = None  # the last request's message, and (engine, ms) of a graph it ran
+        self.reload_pending = False  # SIGHUP asked to read the tokens file again (done between requests)
+
+    def use_tenants(self, tenants: Tenants) -> Tenancy:
+        """Serve these tenants: each connection is one, and the worker asks its quotas and allowlists."""
+        self.tenancy = self.worker.tenancy = Tenancy(tenants, self.leases)
+        return self.tenancy
+
+    def request_reload(self) -> None:
+        """Ask for the tokens file to be read again before the next request (safe in a signal handler)."""
+        self.reload_pending = True
+
+    def reload_tokens(self) -> list[str]:
+        """Read the tokens file again now (on the serving thread, between requests): the revoked
+        tenants' sessions end; the names revoked. A file that cannot be read changes nothing."""
+        self.reload_pending = False
+        if self.tenancy is None:
+            return []
+        try:
+            return self.tenancy.reload(self._end_session)
+        except ValueError as exc:
+            log.error("tokens file not reloaded (everything stays as it was): %s", exc)
+            return []
+
+    def _end_session(self, key: object) -> None:
+        self.worker.close_session(key)
+        self.replays.forget(key)
 
     # ------------------------------------------------------------------ sessions
     def disconnected(self, cid: int) -> None:
         """A connection closed: what it held as itself is freed; an attached session waits for its lease."""
         self._connections.discard(cid)
+        if self.tenancy is not None:
+            self.tenancy.disconnected(cid)
         self.worker.close_session(cid)
         self.replays.forget(cid)
         self.leases.disconnect(cid)
@@ -105,6 +137,7 @@ class Service:
     def handle(self, cid: int, header: bytes, frames: list) -> Reply:
         """Decode one request, run it, encode the reply (errors included)."""
         self._connections.add(cid)
+        self.last_body = self.last_run = None  # (what the metrics read after each request)
         try:
             try:
                 env = m.decode_envelope(header)
@@ -113,8 +146,16 @@ class Service:
             self._check_size(header, frames)
         except RemoteError as exc:
             return error_reply(exc), []
+        self.last_body = env.body
         if env.seq < 0 or env.ack < 0:
             return error_reply(ProtocolError("sequence numbers are never negative")), []
+        if self.reload_pending:
+            self.reload_tokens()
+        if self.tenancy is not None:
+            try:
+                self.tenancy.admit(cid, env.seq > 0)
+            except RemoteError as exc:
+                return error_reply(exc), []
         if not env.seq:  # outside the session's stream: attach, heartbeat, detach
             if env.ack:
                 self.replays.acknowledge(self.leases.key(cid), env.ack)
@@ -174,10 +215,14 @@ class Service:
     def _attach(self, cid: int, req: m.Attach) -> Reply:
         if not SESSION_ID.fullmatch(req.session_id):
             raise InvalidRequestError("session id must be 16 to 128 characters of [0-9A-Za-z_-]")
+        if self.tenancy is not None:
+            self.tenancy.attach(cid, req.session_id)
         try:
             resumed, displaced = self.leases.attach(cid, req.session_id)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
+        if self.tenancy is not None:
+            self.tenancy.attached(cid, req.session_id)
         for other in displaced:
             self.close_connection(other)
         return m.encode(m.AttachReply(resumed, self.leases.lease_s)), []
@@ -214,6 +259,7 @@ class Service:
     def _run(self, session, req: m.Run, frames) -> Reply:
         """Run a graph; the worker disposes of each output as the request's plan says."""
         ran = self.worker.run(session, req, frames, self._send)
+        self.last_run = (req.engine, ran.ms)
         w = FrameWriter()
         value = w.value
         if req.brief:  # only what the client does not know: values, and outputs not disposed of as planned

@@ -30,7 +30,8 @@ from ..codec import messages as m, possession
 from ..codec.frames import FrameReader
 from ..codec.messages import TensorMeta
 from ..codec.tensors import content_id
-from ..errors import InvalidRequestError, LimitExceededError, MissingObjectsError
+from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsError, QuotaExceededError,
+                      UnsupportedGraphError)
 from . import engines, quota
 from .bindings import Bindings
 from .graphs import GraphEntry
@@ -44,6 +45,7 @@ from .handles import HandleStore, count_bytes
 from ..codec.args import expand
 from .outputs import OutputPlan, Send, dispose, grad_slots, zeros
 from .groups import Groups
+from .tenancy import check_namespaces
 from .training import Trainables
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,7 @@ class Worker:
         self.groups = Groups(self.trainables, self.device, group_host)  # process groups with other workers
         # namespaces of custom operators graphs may call (registered here: see worker/custom_ops.py)
         self.allow_ops = frozenset(allow_ops)
+        self.tenancy = None  # the service's Tenancy: tenant-wide quotas and allowlists (None: no tenants)
         self.disk = disk  # the cache on disk (``serve --cache-dir``): uploads and artifacts across restarts
         self._bindings = Bindings()  # session -> binding id -> argument binding (Run.bind)
 
@@ -179,15 +182,25 @@ class Worker:
         limits = self.limits
         if limits.memory_quota is not None and self.session_bytes(session) + nbytes > limits.memory_quota:
             return False
+        if self.tenancy is not None and self.tenancy.over_quota(session, nbytes, self.session_bytes):
+            return False
         if limits.memory_limit is not None:
             live = self._tensors.total_bytes + self._graphs.total_bytes + self.state_bytes()
             return live + nbytes <= limits.memory_limit
         return True
 
     def _reserve(self, session: object, nbytes: int) -> None:
+        if self.tenancy is not None:
+            over = self.tenancy.over_quota(session, nbytes, self.session_bytes)
+            if over:
+                raise QuotaExceededError(over)
         quota.reserve((self._tensors, self._graphs), session, nbytes,
                       quota=self.limits.memory_quota, limit=self.limits.memory_limit,
                       other_held=self.state_bytes(session), other_live=self.state_bytes())
+
+    def ops_for(self, session: object) -> frozenset[str]:
+        """The custom-operator namespaces this session's graphs may call (its tenant's, within the worker's)."""
+        return self.allow_ops if self.tenancy is None else self.tenancy.allowed_ops(session, self.allow_ops)
 
     # ------------------------------------------------------------------- uploads
     def put_graph(self, session: object, gid: str, doc: bytes, consts: list[TensorMeta], frames) -> None:
@@ -207,14 +220,27 @@ class Worker:
                      size: int) -> None:
         """Hold a verified graph for the session: adopted if stored, else decoded (and written to disk)."""
         self._reserve(session, size)
-        if self._graphs.adopt(session, gid):  # same verified bytes: reuse (compiled engines too)
+        if self._adopt_graph(session, gid):  # same verified bytes: reuse (compiled engines too)
             return
         reader = self.reader(frames)
         tensors = [reader.tensor(meta) for meta in consts]
-        decoded = decode_graph(doc, tensors, self.device, self.allow_ops)
+        decoded = decode_graph(doc, tensors, self.device, self.ops_for(session))
         self._graphs.put(session, gid, GraphEntry.build(gid, decoded), size)
         if self.disk is not None:
             self.disk.put_graph(gid, doc, consts, frames)
+
+    def _adopt_graph(self, session: object, gid: str) -> bool:
+        """Hold a graph stored already (another session decoded it), if this session's tenant may run it."""
+        if not self._graphs.adopt(session, gid):
+            return False
+        allowed = self.ops_for(session)
+        if allowed != self.allow_ops:  # decoded under the worker's allowlist: check this tenant's
+            try:
+                check_namespaces(self._graphs.get(session, gid).decoded.module, allowed)
+            except UnsupportedGraphError:
+                self._graphs.release(session, [gid])
+                raise
+        return True
 
     def put_tensors(self, session: object, ids: list[str], metas: list[TensorMeta], frames) -> None:
         """Store resident tensors under their content ids (verified, then moved to the device)."""
@@ -277,7 +303,8 @@ class Worker:
         if total > (self.limits.max_graph_bytes if kind == "graphs" else self.limits.max_tensor_bytes):
             return False
         self._reserve(session, total)
-        return True if store.adopt(session, key) else None  # still in memory: a graph's engines too
+        adopted = self._adopt_graph(session, key) if kind == "graphs" else store.adopt(session, key)
+        return True if adopted else None  # still in memory: a graph's engines too
 
     def release_tensors(self, session: object, ids) -> None:
         """Drop this session's hold on uploaded tensors (a superseded version of a buffer)."""

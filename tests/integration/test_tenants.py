@@ -1,0 +1,250 @@
+"""Named tenants on one worker (``remotorch serve --tokens FILE``): who they are, what each may do,
+what one can see of another, and a token revoked by SIGHUP while everyone works.
+
+Every worker here is a real ``remotorch serve`` with a tokens file; the clients are
+ordinary sessions, and the attacks are raw requests on their connections.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import remotorch
+from remotorch import errors
+from remotorch.codec import messages as m
+from remotorch.codec.tensors import content_id, tensor_to_wire
+from remotorch.worker.tenants import token_hash
+
+import custom_ops_lib  # noqa: F401 (registers rmtest_lib here too, as the user's process would)
+
+from conftest import TOKEN
+
+TESTS = os.path.dirname(os.path.abspath(custom_ops_lib.__file__))
+ALICE, BOB = "rmt_alice-0123456789abcdef", "rmt_bob-0123456789abcdef"  # (also test_isolation's)
+
+
+def table(name: str, token: str, **extra) -> str:
+    lines = [f"[tenants.{name}]", f'token_sha256 = "{token_hash(token).hex()}"']
+    for key, value in extra.items():
+        lines.append(f"{key} = {value!r}".replace("'", '"'))
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def tokens_file(tmp_path):
+    path = tmp_path / "tokens.toml"
+    path.write_text(table("alice", ALICE) + table("bob", BOB))
+    return path
+
+
+def serve_tenants(start_server, path, *extra):
+    return start_server(token=None, name="shared", extra_args=("--tokens", str(path), *extra))
+
+
+def mlp(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
+
+
+def test_token_new_prints_a_token_and_the_table_a_worker_admits_it_by(start_server, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "remotorch", "token", "new", "carol"], capture_output=True,
+                         text=True, check=True).stdout
+    token, rest = out.split("\n", 1)
+    assert token.startswith("rmt_") and len(token) > 40 and token not in rest  # shown once, alone
+    path = tmp_path / "tokens.toml"
+    path.write_text(rest)
+    assert token not in path.read_text() and token_hash(token).hex() in path.read_text()
+    srv = serve_tenants(start_server, path)
+    model, x = mlp(0), torch.randn(3, 16)
+    with remotorch.Session(srv.url, token=token) as s, torch.no_grad():
+        assert torch.equal(remotorch.compile(model, session=s, fallback="raise")(x), model(x))
+    with pytest.raises(errors.AuthenticationError):
+        with remotorch.Session(srv.url, token=token + "x", retry_after=0) as s:
+            s.health()
+
+
+def test_a_tokens_file_that_cannot_be_used_stops_serve_with_the_reason(tmp_path):
+    path = tmp_path / "tokens.toml"
+    path.write_text('[tenants.alice]\ntoken_sha256 = "abc"\n')
+    done = subprocess.run([sys.executable, "-m", "remotorch", "serve", "--port", "0", "--tokens", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "[tenants.alice]: token_sha256 must be 64 hex digits" in done.stderr
+
+
+def test_max_sessions_counts_a_tenants_sessions_only(start_server, tmp_path):
+    path = tmp_path / "tokens.toml"
+    path.write_text(table("alice", ALICE, max_sessions=2) + table("bob", BOB))
+    srv = serve_tenants(start_server, path)
+    first, second = (remotorch.Session(srv.url, token=ALICE) for _ in range(2))
+    try:
+        first.health(), second.health()
+        with pytest.raises(errors.QuotaExceededError, match="tenant alice has 2 sessions"):
+            with remotorch.Session(srv.url, token=ALICE, retry_after=0) as third:
+                third.health()
+        bobs = [remotorch.Session(srv.url, token=BOB) for _ in range(3)]  # bob's are his own
+        for b in bobs:
+            b.health()
+            b.close()
+        second.close()  # ends at once (Detach): alice may open another
+        with remotorch.Session(srv.url, token=ALICE) as again:
+            assert again.health()["name"] == "shared"
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_tenant_over_its_memory_quota_gets_a_typed_error_and_its_neighbour_serves(start_server, tmp_path):
+    path = tmp_path / "tokens.toml"
+    path.write_text(table("alice", ALICE, memory_quota="1M") + table("bob", BOB))
+    srv = serve_tenants(start_server, path)
+    half = [torch.randn(160_000) for _ in range(2)]  # 640 KB each: one fits alice's 1 MiB, two do not
+    with remotorch.Session(srv.url, token=ALICE) as a1, remotorch.Session(srv.url, token=ALICE) as a2, \
+            remotorch.Session(srv.url, token=BOB) as bob:
+        def put(session, t):
+            meta, buf = tensor_to_wire(t, 0)
+            session.connection.request(m.PutTensors([content_id(meta, buf)], [meta]), [buf])
+
+        put(a1, half[0])
+        with pytest.raises(errors.QuotaExceededError, match="tenant alice would hold .* over its memory quota"):
+            put(a2, half[1])  # the quota is the tenant's, across its sessions
+        for t in (*half, torch.randn(400_000)):  # bob has no quota of his own
+            put(bob, t)
+        model, x = mlp(2), torch.randn(2, 16)
+        with torch.no_grad():
+            assert torch.equal(remotorch.compile(model, session=bob, fallback="raise")(x), model(x))
+        a1.close()
+        put(a2, half[1])  # room again once alice's other session ended
+
+
+def test_a_tenants_allow_ops_narrow_the_workers_also_for_a_graph_another_tenant_sent(start_server, tmp_path):
+    path = tmp_path / "tokens.toml"
+    path.write_text(table("alice", ALICE, allow_ops=[]) + table("bob", BOB))
+    srv = start_server(token=None, name="ops", extra_args=("--tokens", str(path), "--allow-ops", "rmtest_lib",
+                                                           "--import", "custom_ops_lib"),
+                       env={"PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))})
+
+    def f(x, y):
+        return torch.ops.rmtest_lib.scaled_add(x, y, 2.0) + 1
+
+    x, y = torch.randn(4), torch.randn(4)
+    with remotorch.Session(srv.url, token=BOB) as bob:  # bob first: the worker decodes the graph for him
+        torch._dynamo.reset()
+        assert torch.equal(remotorch.compile(f, session=bob, fallback="raise")(x, y), f(x, y))
+    with remotorch.Session(srv.url, token=ALICE) as alice:  # the same bytes from alice: refused, typed
+        torch._dynamo.reset()
+        with pytest.raises(errors.UnsupportedGraphError, match="namespace 'rmtest_lib'"):
+            remotorch.compile(f, session=alice, fallback="raise")(x, y)
+        torch._dynamo.reset()
+        model, z = mlp(3), torch.randn(2, 16)
+        with torch.no_grad():  # and alice goes on serving
+            assert torch.equal(remotorch.compile(model, session=alice, fallback="raise")(z), model(z))
+    torch._dynamo.reset()
+
+
+def test_a_tenants_request_rate_is_capped_with_a_typed_error(start_server, tmp_path):
+    path = tmp_path / "tokens.toml"
+    path.write_text(table("alice", ALICE, requests_per_second=5) + table("bob", BOB))
+    srv = serve_tenants(start_server, path)
+    with remotorch.Session(srv.url, token=ALICE) as alice, remotorch.Session(srv.url, token=BOB) as bob:
+        refused, started = 0, time.monotonic()
+        for _ in range(30):  # far faster than 5 a second
+            header, _ = alice.connection.transport.request(m.encode(m.Health()))
+            reply = m.decode(header)
+            if isinstance(reply, m.ErrorReply):
+                assert reply.kind == errors.QuotaExceededError.kind and "5 requests per second" in reply.message
+                refused += 1
+        admitted_at_most = 5 + 5 * (time.monotonic() - started) + 1  # a burst of 5, then 5 a second
+        assert 30 - admitted_at_most <= refused <= 30, refused  # (the session's own first requests count too)
+        time.sleep(0.5)  # the budget refills: admitted again
+        assert isinstance(m.decode(alice.connection.transport.request(m.encode(m.Health()))[0]), m.HealthReply)
+        for _ in range(30):
+            assert bob.health()["name"] == "shared"  # bob is not capped
+
+
+def test_a_reload_with_a_broken_file_changes_nothing(start_server, tokens_file):
+    srv = serve_tenants(start_server, tokens_file)
+    with remotorch.Session(srv.url, token=ALICE) as alice:
+        alice.health()
+        tokens_file.write_text("[tenants.alice\n")
+        os.kill(srv.proc.pid, signal.SIGHUP)
+        time.sleep(0.5)
+        assert alice.health()["name"] == "shared"
+    with open(srv.stderr_path, encoding="utf-8") as f:
+        assert "tokens file not reloaded" in f.read()
+
+
+def test_a_token_revoked_under_load_ends_its_sessions_and_no_one_else_notices(start_server, tokens_file):
+    """8 clients of 2 tenants call models in a loop; alice's token leaves the file and SIGHUP reloads it.
+    Alice's clients get AuthenticationError; bob's see no error and no wrong result."""
+    srv = serve_tenants(start_server, tokens_file)
+    stop, started = threading.Event(), threading.Barrier(9)
+    results: dict[int, dict] = {}
+
+    def client(i: int, s: remotorch.Session, compiled, x, want) -> None:
+        out = results[i] = dict(calls=0, wrong=0, errors=[], after=0)
+        with s:
+            with torch.no_grad():
+                started.wait()
+                while not stop.is_set():
+                    try:
+                        got = compiled(x).clone()
+                    except errors.RemoteError as exc:
+                        out["errors"].append(exc)
+                        if len(out["errors"]) >= 3:
+                            return
+                        continue
+                    out["calls"] += 1
+                    out["wrong"] += not torch.equal(got, want)
+                    if revoked.is_set():
+                        out["after"] += 1
+
+    revoked = threading.Event()
+    torch._dynamo.reset()
+    threads = []
+    for i in range(8):  # sessions and compiled models made here, the calls in the threads
+        s = remotorch.Session(srv.url, token=ALICE if i % 2 else BOB, retry_after=0)
+        model, x = mlp(10 + i), torch.randn(4, 16)
+        compiled = remotorch.compile(model, session=s, fallback="raise")
+        with torch.no_grad():
+            want = model(x)
+            assert torch.equal(compiled(x), want)
+        threads.append(threading.Thread(target=client, args=(i, s, compiled, x, want)))
+    for t in threads:
+        t.start()
+    started.wait(timeout=120)
+    time.sleep(1.0)
+    tokens_file.write_text(table("bob", BOB))
+    os.kill(srv.proc.pid, signal.SIGHUP)
+    time.sleep(0.3)
+    revoked.set()
+    time.sleep(1.5)
+    stop.set()
+    for t in threads:
+        t.join(timeout=60)
+    alice = [results[i] for i in range(8) if i % 2]
+    bob = [results[i] for i in range(8) if not i % 2]
+    for r in alice:
+        assert r["errors"] and all(isinstance(e, errors.AuthenticationError) for e in r["errors"]), r
+        assert r["wrong"] == 0
+    for r in bob:
+        assert r["errors"] == [] and r["wrong"] == 0 and r["after"] > 0, r
+    with pytest.raises(errors.AuthenticationError):  # and the token opens nothing new
+        with remotorch.Session(srv.url, token=ALICE, retry_after=0) as s:
+            s.health()
+    torch._dynamo.reset()
+
+
+def test_token_keeps_serving_as_one_unnamed_tenant(server, make_session):
+    with make_session() as s:
+        assert s.health()["name"] == "test"
+    with pytest.raises(errors.AuthenticationError):
+        with remotorch.Session(server.url, token=TOKEN + "x", retry_after=0) as s:
+            s.health()
