@@ -34,7 +34,8 @@ ALICE, BOB = "rmt_alice-0123456789abcdef", "rmt_bob-0123456789abcdef"  # (also t
 def table(name: str, token: str, **extra) -> str:
     lines = [f"[tenants.{name}]", f'token_sha256 = "{token_hash(token).hex()}"']
     for key, value in extra.items():
-        lines.append(f"{key} = {value!r}".replace("'", '"'))
+        text = ("true" if value else "false") if isinstance(value, bool) else repr(value).replace("'", '"')
+        lines.append(f"{key} = {text}")
     return "\n".join(lines) + "\n"
 
 

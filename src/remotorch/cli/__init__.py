@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .serve import ServeError, _size, add_serve_parser, cmd_serve, make_server, serve_args  # noqa: F401
+from .top import add_top_parser
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     add_serve_parser(sub)
+
+    add_top_parser(sub)
 
     token = sub.add_parser("token", help="make tokens for a worker's --tokens file")
     token_sub = token.add_subparsers(dest="action", required=True)

@@ -4,7 +4,7 @@ A message is frame 0 (an msgpack :class:`Envelope`, with the protocol version) a
 frames (tensor bytes, never copied into the header); ``docs/protocol.md`` is the normative text.
 The core requests and replies are declared here; the others live in sibling modules by part of
 the protocol (:mod:`.args`: tensor layouts and call arguments; :mod:`.training`; :mod:`.values`;
-:mod:`.groups`; :mod:`.cache`), and this module is the face of them all: it takes them into
+:mod:`.groups`; :mod:`.cache`; :mod:`.stats`), and this module is the face of them all: it takes them into
 ``Request`` and ``Reply`` and re-exports every one (import them from here: ``m.OptimStep``).
 """
 
@@ -19,6 +19,7 @@ from .args import (Arg, EchoArg, HandleArg, HandlesArg, KeptArg, OutputArg, RefA
                    SlotsArg, TensorArg, TensorMeta, ViewArg, ZerosArg)
 from .cache import Challenge, ChallengeReply, Have, HaveReply
 from .groups import BroadcastSlots, JoinGroup, LeaveGroup, OpenStore, ReduceGrads, StoreReply
+from .stats import ErrorStats, GraphStats, Stats, StatsReply, TenantStats  # noqa: F401
 from .training import (AccumulateGrads, BindSlots, ClipGradNorm, Hyper, NormReply, OptimCreate,
                        OptimGetState, OptimSetState, OptimStateReply, OptimStep, OptimZeroGrad, PullReply,
                        PullSlots)
@@ -248,10 +249,11 @@ Request = Union[Health, PutGraph, PutTensors, Run, Echo, Flush,  # core (§8.1)
                 OptimStep, OptimZeroGrad, ClipGradNorm, OptimGetState, OptimSetState,
                 Fetch, ExpectHandles, SendHandles, Deliver,  # values that stay on the worker (§18)
                 OpenStore, JoinGroup, LeaveGroup, BroadcastSlots, ReduceGrads,  # process groups (§19)
-                Challenge, Have]  # the disk cache (§20)
+                Challenge, Have,  # the disk cache (§20)
+                Stats]  # the operator's view (§21)
 Reply = Union[HealthReply, Ok, RunReply, EchoReply, ErrorReply, AttachReply, ProfileReply,
               PullReply, NormReply, OptimStateReply, FetchReply, TicketReply, StoreReply,
-              ChallengeReply, HaveReply]
+              ChallengeReply, HaveReply, StatsReply]
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

@@ -28,13 +28,10 @@ tensor bytes, no ids).
 
 from __future__ import annotations
 
-import os
-import resource
-import sys
-
 import torch
 
 from ..codec import messages as m
+from .activity import rss, sessions_by_tenant
 
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
            10.0, 30.0, 60.0)
@@ -110,17 +107,6 @@ def parse_address(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", number
 
 
-def error_kind(header: bytes) -> str | None:
-    """The kind of an error reply's header, or None for any other reply (without decoding most)."""
-    if b"\xa4type\xa5error" not in header[:16]:  # (the reply body's tag comes first)
-        return None
-    try:
-        reply = m.decode(header)
-    except Exception:  # noqa: BLE001 (not ours to judge here)
-        return None
-    return reply.kind if isinstance(reply, m.ErrorReply) else None
-
-
 class _Live:
     """Gauges read from the service and the worker when Prometheus scrapes."""
 
@@ -135,7 +121,7 @@ class _Live:
 
         service, worker = self.service, self.service.worker
         sessions = GaugeMetricFamily("remotorch_sessions", "Live sessions, by tenant.", labels=["tenant"])
-        for tenant, n in sorted(_sessions_by_tenant(service).items()):
+        for tenant, n in sorted(sessions_by_tenant(service).items()):
             sessions.add_metric([tenant], n)
         yield sessions
         yield GaugeMetricFamily("remotorch_connections", "Open authenticated connections.",
@@ -148,7 +134,7 @@ class _Live:
         yield GaugeMetricFamily("remotorch_cached_bytes", "Bytes kept for re-use that no session holds.",
                                 value=memory["cached_bytes"])
         yield GaugeMetricFamily("remotorch_host_memory_bytes", "Resident set of the worker process.",
-                                value=_rss())
+                                value=rss())
         device = worker.device
         allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         yield GaugeMetricFamily("remotorch_device_memory_bytes", "Bytes allocated on the worker's CUDA device "
@@ -161,27 +147,3 @@ class _Live:
         yield GaugeMetricFamily("remotorch_unacknowledged_requests", "Requests run whose replies their clients "
                                 "have not acknowledged yet: how far ahead client queues run.",
                                 value=service.replays.unacknowledged())
-
-
-def _sessions_by_tenant(service) -> dict[str, int]:
-    tenancy = service.tenancy
-    if tenancy is None:
-        return {"": service.sessions()}
-    out = {name: 0 for name in tenancy.tenants.names()}
-    for _ in range(3):  # (the serving loop may change the tables meanwhile: read again)
-        try:
-            for name, count in tenancy.session_counts().items():
-                out[name] = count
-            break
-        except RuntimeError:
-            continue
-    return out
-
-
-def _rss() -> int:
-    try:
-        with open("/proc/self/statm", encoding="ascii") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the peak, where nothing better exists
-        return peak if sys.platform == "darwin" else peak * 1024

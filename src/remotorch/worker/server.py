@@ -16,7 +16,8 @@ from ..errors import LimitExceededError, ProtocolError
 from ..transport.listener import TcpServer
 from .service import Service
 from .logs import REQUESTS, log_request
-from .metrics import Metrics, error_kind, request_type
+from .activity import error_of
+from .metrics import Metrics, request_type
 from .tenants import Tenants
 from .worker import Worker
 
@@ -39,8 +40,7 @@ class WorkerServer:
         tenancy = self.service.use_tenants(tenants) if tenants is not None else None
         self.metrics = Metrics(self.service) if metrics is not None else None
         self._log_requests = REQUESTS.isEnabledFor(logging.INFO)  # (--log-format json)
-        observed = self.metrics is not None or self._log_requests
-        handler = self._observed if observed else self.service.handle
+        handler = self._observed
         self._tcp = TcpServer(handler, host, port, token, protocol=m.PROTOCOL_VERSION,
                               max_frame=max_frame_bytes, on_disconnect=self.service.disconnected,
                               max_header=min(64 << 20, max_message_bytes or 64 << 20),
@@ -76,18 +76,24 @@ class WorkerServer:
                 self.metrics.close()
 
     def _observed(self, cid: int, header: bytes, frames: list):
-        """The service's handler, counted in the metrics and logged (``--log-format json``)."""
+        """The service's handler, counted for the operator (Stats), in the metrics and logged
+        (``--log-format json``)."""
         started = time.perf_counter()
         reply = self.service.handle(cid, header, frames)
         service = self.service
-        kind = error_kind(reply[0])
+        error = error_of(reply[0])
+        kind = error.kind if error is not None else None
+        tenancy = service.tenancy
+        tenant = tenancy.name(cid) if tenancy is not None else ""
+        service.activity.record(tenant, service.last_body, error, service.last_run)
+        if self.metrics is None and not self._log_requests:
+            return reply
         nbytes_in = len(header) + sum(memoryview(f).nbytes for f in frames)
         nbytes_out = len(reply[0]) + sum(memoryview(f).nbytes for f in reply[1])
         if self.metrics is not None:
             self.metrics.observe(cid, service.last_body, kind, nbytes_in, nbytes_out, service.last_run)
         if self._log_requests:
-            tenancy = service.tenancy
-            log_request(tenancy.name(cid) if tenancy is not None else "", service.leases.key(cid),
+            log_request(tenant, service.leases.key(cid),
                         request_type(service.last_body) if service.last_body is not None else "malformed",
                         (time.perf_counter() - started) * 1e3, kind or "ok", nbytes_in, nbytes_out,
                         service.last_run)

@@ -24,11 +24,12 @@ import torch
 
 from ..codec import messages as m
 from ..codec.frames import SCALARS, FrameWriter
-from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsError, ProtocolError, RemoteError,
+from ..errors import (AuthenticationError, InvalidRequestError, LimitExceededError, MissingObjectsError, ProtocolError, RemoteError,
                       RemoteOutOfMemoryError, WorkerError)
 from ..transport import framing
 from .leases import SESSION_ID, LeaseTable
 from .outputs import Echo
+from .activity import Activity
 from .replay import Replays
 from .tenancy import Tenancy
 from .tenants import Tenants
@@ -81,6 +82,7 @@ class Service:
         self.replays = Replays(error_reply)  # what each session's stream ran, to run nothing twice
         self.tenancy: Tenancy | None = None  # named tenants (``use_tenants``); None: one, unnamed
         self.last_body = self.last_run = None  # the last request's message, and (engine, ms) of a graph it ran
+        self.activity = Activity()  # counters and recent errors for the operator's view (Stats)
         self.reload_pending = False  # SIGHUP asked to read the tokens file again (done between requests)
 
     def use_tenants(self, tenants: Tenants) -> Tenancy:
@@ -96,13 +98,7 @@ class Service:
         """Read the tokens file again now (on the serving thread, between requests): the revoked
         tenants' sessions end; the names revoked. A file that cannot be read changes nothing."""
         self.reload_pending = False
-        if self.tenancy is None:
-            return []
-        try:
-            return self.tenancy.reload(self._end_session)
-        except ValueError as exc:
-            log.error("tokens file not reloaded (everything stays as it was): %s", exc)
-            return []
+        return self.tenancy.reload(self._end_session) if self.tenancy is not None else []
 
     def _end_session(self, key: object) -> None:
         self.worker.close_session(key)
@@ -233,6 +229,11 @@ class Service:
                                       connections=len(self._connections),
                                       framing="python" if framing._C is None else "compiled",
                                       **self.worker.info())), []
+
+    def _stats(self, session, req: m.Stats, frames) -> Reply:
+        if self.tenancy is not None and not self.tenancy.operator(session):
+            raise AuthenticationError("only an operator's token may ask for the worker's activity")
+        return m.encode(self.activity.reply(self)), []
 
     def _echo(self, session, req: m.Echo, frames) -> Reply:
         return m.encode(m.EchoReply()), frames
@@ -431,7 +432,7 @@ class Service:
 
 
 _HANDLERS: dict[type, Callable[[Service, object, object, list], Reply]] = {
-    m.Health: Service._health, m.Echo: Service._echo, m.PutGraph: Service._put_graph,
+    m.Health: Service._health, m.Stats: Service._stats, m.Echo: Service._echo, m.PutGraph: Service._put_graph,
     m.PutTensors: Service._put_tensors, m.Run: Service._run, m.ProfileGraph: Service._profile,
     m.BindSlots: Service._bind_slots,
     m.AccumulateGrads: Service._accumulate_grads, m.PullSlots: Service._pull_slots,

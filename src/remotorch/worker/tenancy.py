@@ -137,7 +137,11 @@ class Tenancy:
         """Read the tokens file again; the revoked tenants' sessions end (``end_session(key)``) and their
         connections' next request is refused. Returns the names of the tenants revoked."""
         before = {t.key_id: t.name for t in map(self.tenants.get, list(self._known_kids())) if t is not None}
-        gone = set(self.tenants.reload())
+        try:
+            gone = set(self.tenants.reload())
+        except ValueError as exc:
+            log.error("tokens file not reloaded (everything stays as it was): %s", exc)
+            return []
         if not gone:
             return []
         for lease in self.leases.leases():
@@ -178,6 +182,12 @@ class Tenancy:
             return ""
         return (f"tenant {tenant.name or '(unnamed)'} would hold {held + nbytes} bytes on the worker, over its "
                 f"memory quota of {tenant.memory_quota} (its {len(sessions)} session(s) hold {held} now)")
+
+    def operator(self, session: object) -> bool:
+        """Whether a session's tenant may see the worker's activity (``operator = true``; ``--token``'s)."""
+        kid = self._kid_of(session)
+        tenant = self.tenants.get(kid) if kid is not None else None
+        return tenant is not None and tenant.operator
 
     def allowed_ops(self, session: object, worker_ops: frozenset[str]) -> frozenset[str]:
         """The custom-operator namespaces a session's graphs may call: the worker's, narrowed by its tenant's."""

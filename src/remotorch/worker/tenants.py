@@ -8,6 +8,7 @@
     max_sessions = 4              # optional
     requests_per_second = 200     # optional: a burst of one second's worth, then this rate
     allow_ops = ["transformers"]  # optional: within the worker's own --allow-ops
+    operator = true               # optional: may watch the whole worker (remotorch top)
 
 ``--token`` is one unnamed tenant (named ``""``) without quotas of its own.
 
@@ -40,7 +41,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_FIELDS = {"token_sha256", "memory_quota", "max_sessions", "requests_per_second", "allow_ops"}
+_FIELDS = {"token_sha256", "memory_quota", "max_sessions", "requests_per_second", "allow_ops", "operator"}
 
 
 class TokensFileError(ValueError):
@@ -57,6 +58,7 @@ class Tenant:
     max_sessions: int | None = None
     requests_per_second: float | None = None
     allow_ops: frozenset[str] | None = None
+    operator: bool = False  # may ask for the worker's activity (remotorch top): every tenant's figures
     _bucket: list = field(default_factory=list, repr=False, compare=False)  # [tokens, at]
 
     @property
@@ -111,7 +113,8 @@ def parse_tokens(text: str, source: str = "tokens file") -> dict[str, Tenant]:
             raise TokensFileError(f"{where}: the same token as [tenants.{seen[raw]}]")
         seen[raw] = name
         tenants[name] = Tenant(name, raw, memory_quota=_quota(t, where), max_sessions=_count(t, where),
-                               requests_per_second=_rate(t, where), allow_ops=_ops(t, where))
+                               requests_per_second=_rate(t, where), allow_ops=_ops(t, where),
+                               operator=_flag(t, "operator", where))
     return tenants
 
 
@@ -153,6 +156,13 @@ def _ops(t: dict, where: str) -> frozenset[str] | None:
     return frozenset(value)
 
 
+def _flag(t: dict, key: str, where: str) -> bool:
+    value = t.get(key, False)
+    if not isinstance(value, bool):
+        raise TokensFileError(f"{where}: {key} must be true or false")
+    return value
+
+
 def _bad():
     raise ValueError("a size such as 2G, or a number of bytes")
 
@@ -180,7 +190,7 @@ class Tenants:
             except OSError as exc:
                 raise TokensFileError(f"cannot read the tokens file: {exc}") from None
         if self._token is not None or self.path is None:
-            unnamed = Tenant("", token_hash(self._token or ""))
+            unnamed = Tenant("", token_hash(self._token or ""), operator=True)  # --token: the operator's
             if any(hmac.compare_digest(t.token_sha256, unnamed.token_sha256) for t in tenants.values()):
                 raise TokensFileError("--token is also a tenant's token in the tokens file")
             tenants[""] = unnamed
