@@ -39,7 +39,8 @@ from .worker import Worker
 log = logging.getLogger(__name__)
 
 Reply = tuple[bytes, list]
-_WIRE = (m.HandleArg, m.KeptArg, m.ScalarArg)  # outputs the worker disposed of (the rest travel inline)
+_WIRE = (m.HandleArg, m.KeptArg, m.ScalarArg)
+_LIVENESS = (m.Attach, m.Heartbeat, m.Detach)  # never refused for a tenant's request rate  # outputs the worker disposed of (the rest travel inline)
 
 
 def error_reply(exc: RemoteError) -> bytes:
@@ -149,7 +150,7 @@ class Service:
             self.reload_tokens()
         if self.tenancy is not None:
             try:
-                self.tenancy.admit(cid, env.seq > 0)
+                self.tenancy.admit(cid, env.seq > 0, isinstance(env.body, _LIVENESS))
             except RemoteError as exc:
                 return error_reply(exc), []
         if not env.seq:  # outside the session's stream: attach, heartbeat, detach

@@ -68,12 +68,13 @@ class Tenancy:
         tenant = self.tenant(cid)
         return "?" if tenant is None else tenant.name
 
-    def admit(self, cid: int, stream: bool) -> None:
-        """Raise for a request this connection may not make now (``stream``: it runs in a session)."""
+    def admit(self, cid: int, stream: bool, liveness: bool = False) -> None:
+        """Raise for a request this connection may not make now (``stream``: it runs in a session;
+        ``liveness``: attach, heartbeat or detach, which no request rate refuses)."""
         tenant = self.tenant(cid)
         if tenant is None:
             raise AuthenticationError("this connection's token was revoked: its sessions ended")
-        if not tenant.admit():
+        if not liveness and not tenant.admit():
             raise QuotaExceededError(f"tenant {tenant.name or '(unnamed)'} is over its rate of "
                                      f"{tenant.requests_per_second:g} requests per second")
         if stream and cid not in self._own and not isinstance(self.leases.key(cid), Lease):
