@@ -35,11 +35,6 @@ from dataclasses import dataclass, field
 from ..config import parse_size
 from ..transport.handshake import key_id, token_hash
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _FIELDS = {"token_sha256", "memory_quota", "max_sessions", "requests_per_second", "allow_ops", "operator"}
 
@@ -83,6 +78,10 @@ class Tenant:
 
 def parse_tokens(text: str, source: str = "tokens file") -> dict[str, Tenant]:
     """The tenants a tokens file describes, by name (``TokensFileError`` naming what is wrong)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
