@@ -1,7 +1,7 @@
 """Smoke test of ``benchmarks/peers.py``: it runs end to end and reports every figure.
 
 The benchmark runs as a user runs it (a fresh process, ``--quick --json``):
-real peer servers, a local Ray, a torch RPC group and three real
+real peer servers, a local Ray, a torch RPC group and four real
 ``remotorch serve`` workers. Performance is judged by the script's own exit
 status (0 or 1, PASS or FAIL), not here: this test only checks that every
 system ran every model, that each figure is a finite time, and that every
@@ -20,7 +20,7 @@ from helpers import REPO
 
 SCRIPT = REPO / "benchmarks" / "peers.py"
 SYSTEMS = {"local", "floor", "floor compiled", "pickle/zmq", "torch RPC", "Ray", "remotorch tcp", "remotorch unix",
-           "remotorch tcp spin"}
+           "remotorch tcp spin", "remotorch tcp metrics"}
 MODELS = {"mlp", "block", "gpt2"}
 
 
@@ -44,7 +44,7 @@ def test_quick_run_reports_every_system_and_model_with_matching_outputs():
             assert math.isfinite(row["median_us"]) and row["median_us"] > 0, (model, system, row)
             assert math.isfinite(row["p99_us"]) and row["p99_us"] >= row["median_us"], (model, system, row)
             assert row["n"] == data["plans"][model][0] * data["plans"][model][1]
-        for system in ("remotorch tcp", "remotorch unix", "remotorch tcp spin"):
+        for system in ("remotorch tcp", "remotorch unix", "remotorch tcp spin", "remotorch tcp metrics"):
             assert rows[model]["rows"][system]["worker_graph_mean_us"] > 0
         ratios = rows[model]["ratios"]
         assert ratios["best_peer"] in ("pickle/zmq", "torch RPC", "Ray")
@@ -61,5 +61,6 @@ def test_quick_run_reports_every_system_and_model_with_matching_outputs():
     # the verdict and the exit status agree; the targets themselves are the script's business
     names = [t["name"] for t in data["targets"]]
     assert any("best peer" in n for n in names) and any("floor" in n for n in names)
+    assert any("--metrics" in n for n in names)
     assert data["passed"] == all(t["pass"] for t in data["targets"]) == (proc.returncode == 0)
     assert "Targets" in proc.stderr and ("PASS" in proc.stderr or "FAIL" in proc.stderr)
