@@ -241,3 +241,20 @@ def test_received_tensor_views_the_frame_with_the_exact_layout(dtype, shape, str
         return x.contiguous().reshape(-1).view(torch.uint8)
     assert torch.equal(raw(t), raw(want))
     t.add_(1) if dtype not in (torch.bool,) else t.logical_not_()  # in place on the frame: allowed
+
+
+@pytest.mark.parametrize("make, strides, nbytes", [
+    (lambda: torch.tensor(3.0).expand(3, 4), [0, 0], 4),  # one element, seen 12 times
+    (lambda: torch.randn(1, 5).expand(4, 5), [0, 1], 20),
+    (lambda: torch.randn(4, 1).expand(4, 6), [1, 0], 16),
+    (lambda: torch.randn(2, 1, 3).expand(2, 5, 3), [3, 0, 1], 24),
+    (lambda: torch.randn(3).expand(2, 3).t(), [1, 0], 12),
+    (lambda: torch.randn(2, 3, dtype=torch.complex64)[:, :1].expand(2, 4), [4, 1], 64),  # gaps too: made contiguous
+    (lambda: torch.randn(3, 1).expand(3, 2)[::2], [2, 1], 16),
+])
+def test_an_expanded_tensor_travels_as_each_element_once_with_its_strides(make, strides, nbytes):
+    t = make()
+    meta, buf = tensor_to_wire(t, 0)
+    assert (meta.strides, len(buf)) == (strides, nbytes)
+    back = tensor_from_wire(meta, bytes(buf))
+    assert torch.equal(back, t) and back.stride() == tuple(strides)

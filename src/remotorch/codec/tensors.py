@@ -98,8 +98,9 @@ def tensor_to_wire(t: torch.Tensor, frame: int) -> tuple[TensorMeta, memoryview]
         for d, (n, st) in enumerate(zip(t.shape, t.stride())):
             if st == 0 and n > 1:
                 base = base.narrow(d, 0, 1)
-        flat = _dense_span(base)
-        if flat is not None:
+        if is_permuted_contiguous(base.shape, base.stride()):  # (a view of one element: any strides)
+            span = 1 + sum((n - 1) * st for n, st in zip(base.shape, base.stride()))
+            flat = torch.as_strided(base, (span,), (1,), base.storage_offset())
             meta = TensorMeta(name, list(t.shape), list(t.stride()), frame)
             return meta, memoryview((flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat).numpy()).cast("B")
     if flat is None:
