@@ -178,7 +178,10 @@ class PeerLinks:
     def _open(self, url: str, ticket_id: bytes, secret: bytes, timeout: float, tls_ca: str | None) -> TcpTransport:
         tls = client_context(tls_ca) if url.startswith("tls://") else None
         try:
-            link = TcpTransport(url, secret, protocol=m.PROTOCOL_VERSION, connect_timeout=min(timeout, 10.0),
+            # the handshake outwaits the receiver's wait for a ticket not issued yet (Tickets.arrival_s):
+            # a ticket it never issues is then answered as a wrong one, not taken for a silent worker
+            link = TcpTransport(url, secret, protocol=m.PROTOCOL_VERSION,
+                                connect_timeout=min(timeout, Tickets.arrival_s + 10.0),
                                 timeout=timeout, tls=tls, ticket_id=ticket_id)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
