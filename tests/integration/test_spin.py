@@ -135,7 +135,7 @@ def test_a_client_spins_for_its_window_while_its_call_runs_then_waits_asleep(wid
     # without a window the thread sleeps through the call: a millisecond or so, up to a few tens on a
     # host that reclaims idle memory (every page the call touches after the sleep faults back in)
     assert cpu[WINDOW * 1e6] >= WINDOW / 5, cpu
-    assert cpu[0] < WINDOW / 5 and cpu[0] < cpu[WINDOW * 1e6] / 4, cpu
+    assert cpu[0] < WINDOW / 3 and cpu[0] < cpu[WINDOW * 1e6] / 4, cpu  # (a loaded host: up to ~65 ms seen)
 
 
 def test_bad_spin_settings_are_refused(monkeypatch):
