@@ -177,6 +177,36 @@ def test_a_warm_inference_call_whose_output_is_read_waits_once(wan):
     assert delta(wan, before)["blocking_reads"] == 5
 
 
+def test_a_graph_read_at_once_waits_for_its_reply_and_one_left_unread_is_sent_without_waiting(wan, monkeypatch):
+    from remotorch.client import stream
+    monkeypatch.setattr(stream, "PROMPT_S", 60.0)  # "at once" by order alone (nothing sent between), not by time
+    model = tiny_mlp(64, 128, 10).eval()
+    f = remotorch.compile(model, session=wan, fallback="raise")
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        f(x).sum().item()  # runs once, waited for
+        before = wan.stats()
+        for _ in range(30):  # read at once: after two calls the graph's calls wait, probing now and then
+            torch.testing.assert_close(f(x), model(x), rtol=0, atol=0)
+        read = delta(wan, before)
+        before = wan.stats()
+        outs = [f(x * i) for i in range(20)]  # now nothing is read until the end
+        unread = delta(wan, before)
+        for i, out in enumerate(outs):
+            torch.testing.assert_close(out, model(x * i), rtol=0, atol=0)
+        before = wan.stats()
+        outs = [f(x * i) for i in range(20)]  # and again: every call is sent without waiting
+        again = delta(wan, before)
+        for i, out in enumerate(outs):
+            torch.testing.assert_close(out, model(x * i), rtol=0, atol=0)
+    assert read["blocking_reads"] == 30
+    # sent without waiting: the two calls that taught it, then probes 2, 4, 8 and 8 calls apart (calls 4, 8, 16, 24)
+    assert read["requests_queued"] == 2 + 4
+    # the program changed its habit: calls wait until the next probe, sent without waiting, is not read at once
+    assert unread["blocking_reads"] <= 8 and unread["requests_queued"] >= 12, unread
+    assert again["blocking_reads"] == 0 and again["requests_queued"] == 20, again
+
+
 def test_greedy_generate_waits_once_per_token(wan):
     model = tiny_gpt2(3).eval()
     model.forward = remotorch.compile(model.forward, session=wan, fallback="raise", dynamic=True)

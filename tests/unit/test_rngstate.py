@@ -47,3 +47,28 @@ def test_random_graphs_are_told_from_the_others():
     assert draws_random(make_fx(lambda t: torch.nn.functional.dropout(t, 0.5, training=True))(x))
     assert draws_random(make_fx(lambda t: t + torch.rand_like(t))(x))
     assert not draws_random(make_fx(lambda t: t.relu() * 2)(x))
+
+
+def test_attention_without_dropout_and_dropout_in_eval_draw_nothing_and_are_not_random():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    aten = torch.ops.aten
+    q = torch.randn(2, 2, 8, 16)
+
+    def moved(f) -> bool:  # what torch does: does the call move the generator?
+        state = torch.get_rng_state()
+        f()
+        return not torch.equal(state, torch.get_rng_state())
+
+    cases = [  # (a call, whether it draws)
+        (lambda t: aten._scaled_dot_product_flash_attention_for_cpu(t, t, t, 0.0, True)[0], False),
+        (lambda t: aten._scaled_dot_product_attention_math(t, t, t, None, 0.0, True)[0], False),
+        (lambda t: aten._scaled_dot_product_attention_math(t, t, t, None, 0.5, True)[0], True),
+        (lambda t: aten._scaled_dot_product_attention_math(t, t, t, dropout_p=0.0)[0], False),
+        (lambda t: aten.native_dropout(t, 0.5, False)[0], False),
+        (lambda t: aten.native_dropout(t, 0.0, True)[0], True),  # p 0 in training still draws
+        (lambda t: aten.native_dropout(t, 0.5, True)[0], True),
+    ]
+    for call, draws in cases:
+        assert moved(lambda: call(q)) == draws
+        assert draws_random(make_fx(call)(q)) == draws

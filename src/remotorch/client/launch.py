@@ -162,10 +162,11 @@ def _expect(arg, want, i: int) -> None:
 
 
 def launch(conn, graph: Graph, args: Sequence, plan: Plan, *, fields: dict | Callable[[], dict],
-           placed=None, step: bool = False) -> list:
-    """Send the run; Python's stand-ins for its outputs, at once (see :class:`Plan`)."""
+           placed=None, step: bool = False, on_read=None) -> list:
+    """Send the run; Python's stand-ins for its outputs, at once (see :class:`Plan`). ``on_read``: see
+    :class:`~remotorch.client.stream.Launched`."""
     launched = Launched(f"graph {graph.graph_id[:12]}", plan.on_reply, m.RunReply, makes=tuple(
-        ("h", h) for h in plan.ids.values()), origin=origin.here(), step=step)
+        ("h", h) for h in plan.ids.values()), origin=origin.here(), step=step, on_read=on_read)
     outs = plan.outputs(launched)
 
     def all_fields() -> dict:

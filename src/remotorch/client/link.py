@@ -26,7 +26,7 @@ from .. import errors
 from ..codec import messages as m
 from ..transport import TcpTransport, Transport
 from ..transport.tls import client_context
-from . import origin
+from . import origin, trace
 from .rng import GENERATORS
 from .stream import Launched, QueueLimits, Stream
 
@@ -217,7 +217,9 @@ class Link:
         Requests sent before it are answered first (in order). ``progress(n)``
         hears of the bytes sent (see :meth:`Transport.post`).
         """
-        launched = Launched(what or type(body).__name__, expect=expect, origin=origin.here())
+        # (its failure is raised here, at the caller's line: the line is taken only for a trace)
+        launched = Launched(what or type(body).__name__, expect=expect, queued=False,
+                            origin=origin.here() if trace.current() is not None else ())
         with self.lock:
             self.launch(body, frames, launched, progress=progress, pending=pending)
             self.stream.wait(launched)

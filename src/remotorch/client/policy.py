@@ -10,14 +10,25 @@ runs it (as httpx keeps cookies in the client, never on a request):
   (:mod:`remotorch.client.reuse`);
 * ``ran``: the graph ran on this connection once, waited for (its upload,
   its compile and any refusal are behind it): from then on its calls are sent
-  without waiting (:mod:`remotorch.client.launch`).
+  without waiting (:mod:`remotorch.client.launch`);
+* ``prompt``: calls in a row whose outputs Python read right after the call,
+  with nothing sent in between (inference in a loop, a token of ``generate``,
+  a branch on the result). Such a call gains nothing from being sent without
+  waiting, and its placeholders cost more than the wait for the reply: after
+  :data:`PROMPT_CALLS` of them, the graph's calls wait for their reply again
+  (the 2nd call after, the 4th after that, then one in :data:`PROBE_MAX` is
+  sent without waiting, to see whether the program still reads at once).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .graph import Graph
+
+PROMPT_CALLS = 2  # calls read at once in a row, after which a graph's calls wait for their reply
+PROBE_MAX = 8  # then the 2nd, 4th, 8th, 8th... call is sent without waiting: does the program still read at once?
 
 
 @dataclass(eq=False)
@@ -25,6 +36,40 @@ class GraphPolicy:
     read_outputs: set[int] = field(default_factory=set)
     reused_inputs: set[int] = field(default_factory=set)
     ran: bool = False
+    prompt: int = 0
+    probe: int = 0  # calls until the next one is sent without waiting (while the graph's calls wait)
+    probe_every: int = 2  # doubles while probes find the program still reading at once
+    unread: list | None = None  # the last launched call's read flag, until its outputs are read
+
+    def waits(self) -> bool:
+        """Should this call of the graph wait for its reply (the program reads its outputs at once)?"""
+        if self.prompt < PROMPT_CALLS:
+            return False
+        self.probe -= 1
+        if self.probe > 0:
+            return True
+        self.probe_every = self.probe = min(self.probe_every * 2, PROBE_MAX)  # this call is a probe
+        return False
+
+    def launched(self) -> Callable[[bool], None]:
+        """A call of the graph was sent without waiting; the function to call when Python first reads
+        one of its outputs, with whether that was at once (see the module docstring)."""
+        if self.unread is not None and not self.unread[0]:
+            self._later()  # the previous call's outputs were never read
+        flag = self.unread = [False]
+
+        def read(prompt: bool) -> None:
+            flag[0] = True
+            if prompt:
+                self.prompt += 1
+                if self.prompt == PROMPT_CALLS:
+                    self.probe, self.probe_every = 2, 2
+            else:
+                self._later()
+        return read
+
+    def _later(self) -> None:
+        self.prompt, self.probe_every = 0, 2
 
     def keep(self, graph: Graph) -> list[int]:
         """Tensor outputs that stay on the worker: not needed here, and not read by Python before."""

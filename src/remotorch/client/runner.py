@@ -64,10 +64,13 @@ class GraphRunner:
         policy = conn.policies.of(graph)
         unread = policy.keep(graph)
         keep = unread if self.keep_outputs else []
-        layout = launchable(graph, policy, args)
+        # Python reads its outputs at once: waiting costs no round trip, and placeholders cost more
+        waits = policy.ran and not graph.must_real and policy.waits()
+        layout = None if waits else launchable(graph, policy, args)
         if layout is not None:  # unread outputs stay until the reply: a later call may name them at once
             echo = [i for i in unread if i not in keep or nbytes(layout[i]) < self.keep_min_bytes]
-            outs = launch(conn, graph, args, Plan(conn, graph, layout, unread, echo=echo), fields={})
+            outs = launch(conn, graph, args, Plan(conn, graph, layout, unread, echo=echo), fields={},
+                          on_read=policy.launched())
         else:
             fields = dict(keep=keep, handle_base=conn.handles.reserve(len(keep)),
                           keep_min_bytes=self.keep_min_bytes) if keep else None

@@ -52,6 +52,8 @@ from . import trace
 
 log = logging.getLogger(__name__)
 
+PROMPT_S = 5e-4  # a first read this soon after its call was sent, nothing sent since: "at once"
+
 
 @dataclass(frozen=True)
 class QueueLimits:
@@ -92,6 +94,8 @@ class Launched:
     quiet: bool = False
     makes: tuple = ()
     step: bool = False  # an optimizer step: counts against QueueLimits.steps
+    on_read: Callable[[bool], None] | None = None  # at the first read that waits for it: whether it came at once
+    queued: bool = True  # False: its caller waits for the reply at once (not counted as queued)
     origin: tuple = ()
     seq: int = 0
     done: bool = False
@@ -101,6 +105,7 @@ class Launched:
     frames: list | None = None
     message: tuple = field(default=(), repr=False)  # (header, frames) as sent, for a replay
     nbytes: int = 0
+    sent_at: float = 0.0
 
     def raise_error(self) -> None:
         """Raise what the call failed with, naming the call and the line that issued it."""
@@ -120,7 +125,8 @@ def _root(launched: Launched) -> Launched:
 def _named(exc: errors.RemoteError, root: Launched, dependent: Launched) -> errors.RemoteError:
     """The error as the user sees it: the root failure's type, what failed, the line that issued it,
     and the worker's text (and, for a request that failed because of it, that one too)."""
-    text = f"{root.what} (issued at {origins.describe(root.origin)}) failed: {exc.message}"
+    issued = f" (issued at {origins.describe(root.origin)})" if root.origin or root.queued else ""
+    text = f"{root.what}{issued} failed: {exc.message}"
     if dependent is not root:
         text = f"{dependent.what} could not run: it depends on {text}"
     new = copy.copy(exc)  # its type and what it carries (missing objects, ranks…)
@@ -190,17 +196,19 @@ class Stream:
                 raise
             else:  # a new connection was refused (a token no longer accepted): all is lost
                 self._lose(list(self.inflight), exc)
+        launched.sent_at = time.perf_counter()
         if self.blocking:
             self.wait(launched, read=False)
         else:
-            self.requests_queued += 1
+            self.requests_queued += launched.queued
             if not alone:  # replies to earlier requests may be here (this one's cannot be yet)
                 self._drain_ready()
         return launched
 
     def request(self, body, frames: Sequence = (), expect: type | None = None, what: str = "") -> tuple:
         """Send a request and wait for its reply (raised if it failed): ``(reply, frames)``."""
-        launched = Launched(what or type(body).__name__, expect=expect, origin=origins.here())
+        launched = Launched(what or type(body).__name__, expect=expect, queued=False,
+                            origin=origins.here() if trace.current() is not None else ())
         self.launch(body, frames, launched)
         self.wait(launched)
         launched.raise_error()
@@ -233,6 +241,9 @@ class Stream:
         (the caller raises it where its value is used).
         """
         also = self.before_wait() if self.before_wait is not None else None
+        if read and launched.on_read is not None:  # at once: nothing sent since, and soon
+            on_read, launched.on_read = launched.on_read, None
+            on_read(launched.seq == self.seq and time.perf_counter() - launched.sent_at < PROMPT_S)
         if not launched.done:
             if read:
                 self.blocking_reads += 1

@@ -38,7 +38,8 @@ def patched(before: bytes, changes: list) -> bytes:
 
 def draws_random(gm) -> bool:
     """Whether a graph (or a subgraph it calls) draws from a random generator: it calls an operator
-    torch tags ``nondeterministic_seeded`` (dropout, ``rand``, ``bernoulli``, ``randperm``…)."""
+    torch tags ``nondeterministic_seeded`` (dropout, ``rand``, ``bernoulli``, ``randperm``…), unless
+    that call cannot draw (see :func:`_draws`)."""
     import torch
 
     for module in gm.modules():
@@ -48,6 +49,28 @@ def draws_random(gm) -> bool:
         for node in graph.nodes:
             target = node.target
             if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) \
-                    and torch.Tag.nondeterministic_seeded in target.tags:
+                    and torch.Tag.nondeterministic_seeded in target.tags and _draws(node, target):
                 return True
     return False
+
+
+def _draws(node, target) -> bool:
+    """False for a call of a seeded operator that draws nothing, as the graph says: attention with a
+    ``dropout_p`` of 0 (every attention kernel; a model in eval mode calls them so), or a dropout
+    with ``train`` False. (A dropout with p 0 in training still draws: it is kept.)"""
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name not in ("dropout_p", "train"):
+            continue
+        if i < len(node.args):
+            value = node.args[i]
+        elif arg.name in node.kwargs:
+            value = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            value = arg.default_value
+        else:
+            return True
+        if arg.name == "dropout_p" and type(value) in (int, float) and value == 0:
+            return False
+        if arg.name == "train" and value is False:
+            return False
+    return True
