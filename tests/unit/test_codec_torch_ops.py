@@ -220,3 +220,20 @@ def test_the_inductor_engine_runs_a_view_whose_input_inductor_lays_out_otherwise
     torch.testing.assert_close(fn(x, past)[0], f(x, past)[0])
     assert torch.ops.aten.view.default in {n.target for n in gm.graph.nodes}  # the graph itself is unchanged
     torch._dynamo.reset()
+
+
+def test_a_profile_traces_attention_portably_when_any_profiled_worker_is_not_a_cpu(monkeypatch):
+    # one captured graph runs on every profiled worker: a CUDA worker among them cannot run the CPU kernel
+    import importlib
+    from types import SimpleNamespace
+
+    from remotorch.capture.backend import _worker_device
+
+    accelerate = importlib.import_module("remotorch.profile.accelerate")  # (the package exports a function so named)
+
+    for workers, want in (({"a": {"device": "cpu"}, "b": {"device": "cuda:0"}}, "cuda"),
+                          ({"a": {"device": "cpu"}}, "cpu")):
+        monkeypatch.setattr(accelerate, "current_profiler", lambda w=workers: SimpleNamespace(workers=w))
+        assert _worker_device(accelerate._ToProfiler(), None) == want
+    monkeypatch.setattr(accelerate, "current_profiler", lambda: None)
+    assert _worker_device(accelerate._ToProfiler(), None) == "cpu"

@@ -178,6 +178,8 @@ def _worker_device(session, worker) -> str:
     run reaches it later, or falls back)."""
     try:
         runner = session if session is not None else (default_runner() if default_runner else None)
+        if hasattr(runner, "trace_device"):  # a runner for several workers at once (a profile)
+            return runner.trace_device()
         device = runner.connection_for(worker).info().get("device", "cpu")
     except Exception:  # no worker yet: its graphs fail or fall back as any other call would
         return "cpu"

@@ -199,8 +199,11 @@ def launchable(graph: Graph, policy, args: Sequence) -> list | None:
         return None
     layouts = getattr(graph, "layouts", None)
     layout = layouts(args) if layouts is not None else None
-    if layout is not None and any(_is_tensor(s) and _overlapping(s) for s in layout):
+    if layout is None or layout is policy.plain_layout:  # (a static layout is one list: checked once)
+        return layout
+    if any(_is_tensor(s) and _overlapping(s) for s in layout):
         return None  # an output that views one element many times (an expand) is no buffer to fill here
+    policy.plain_layout = layout
     return layout
 
 

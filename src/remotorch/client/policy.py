@@ -40,6 +40,7 @@ class GraphPolicy:
     probe: int = 0  # calls until the next one is sent without waiting (while the graph's calls wait)
     probe_every: int = 2  # doubles while probes find the program still reading at once
     unread: list | None = None  # the last launched call's read flag, until its outputs are read
+    plain_layout: list | None = None  # the last output layout found to have no overlapping output
 
     def waits(self) -> bool:
         """Should this call of the graph wait for its reply (the program reads its outputs at once)?"""

@@ -95,6 +95,13 @@ class _ToProfiler:
     def prepare_local(self, graph, args, reached_worker: bool) -> bool:
         return True  # profiled graphs keep no state on workers
 
+    def trace_device(self) -> str:
+        """The device type to trace graphs for: one graph runs on every profiled worker, so any worker
+        that is not a CPU makes it "cuda"-portable (attention as its math: see ``portable_attention``)."""
+        profiler = current_profiler()
+        devices = {str(w.get("device", "cpu")).partition(":")[0] for w in (profiler.workers if profiler else {}).values()}
+        return next((d for d in sorted(devices) if d != "cpu"), "cpu")
+
     def note_fallback(self) -> None:
         profiler = current_profiler()
         if profiler is not None:
