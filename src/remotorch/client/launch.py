@@ -89,8 +89,7 @@ class Plan:
                 out.append(None)
             elif not _is_tensor(spec):
                 out.append(spec)
-            elif i in saved:
-                conn.handles.seen(self.ids[i])
+            elif i in saved:  # (the saved placeholder counts its handle as held)
                 out.append(self._saved(self.ids[i]))
             else:
                 hid = self.ids.get(i, 0)  # 0: it comes back in the reply
