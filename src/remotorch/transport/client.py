@@ -8,7 +8,6 @@ of loopback TCP per round trip).
 
 from __future__ import annotations
 
-import os
 import select
 import socket
 import ssl
@@ -202,8 +201,7 @@ class TcpTransport(Transport):
             try:  # the hot path: a plain try costs nothing when nothing fails
                 return self._exchange(self._channel, header, frames, progress)
             except _MAPPED as exc:
-                self._drop()
-                raise _mapped(exc, self.url, self.timeout) from exc
+                raise self._lost(exc) from exc
 
     def connect(self) -> None:
         with self._lock:
@@ -221,8 +219,7 @@ class TcpTransport(Transport):
                 else:
                     self.bytes_sent += self._channel.send(header, frames, progress)
             except _MAPPED as exc:
-                self._drop()
-                raise _mapped(exc, self.url, self.timeout) from exc
+                raise self._lost(exc) from exc
             self.messages_sent += 1
             self.outstanding += 1
         # (no sched_yield here: on a loaded machine it hands the CPU to another process for a time
@@ -265,8 +262,7 @@ class TcpTransport(Transport):
                 try:
                     reply, out = self._receive(self._channel)
                 except _MAPPED as exc:
-                    self._drop()
-                    raise _mapped(exc, self.url, self.timeout) from exc
+                    raise self._lost(exc) from exc
             self.outstanding -= 1
             return reply, out
 
@@ -295,6 +291,12 @@ class TcpTransport(Transport):
             except OSError:
                 pass
             self._channel = None
+
+    def _lost(self, exc: BaseException) -> Exception:
+        """A socket, TLS or framing failure on the hot path: the connection dropped, the error typed
+        (as :func:`_mapped_errors` does, without a context manager's cost per message)."""
+        self._drop()
+        return _mapped(exc, self.url, self.timeout)
 
     def close(self) -> None:
         with self._lock:
