@@ -25,6 +25,7 @@ class HandleTable:
         self._live: set[int] = set()  # handles the worker holds for us now
         # values standing here for handles (client.remote.RemoteRef), while something holds them
         self._values: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._stand_ins: dict[weakref.ref, int] = {}  # weak reference to a stand-in -> its handle id
 
     def reserve(self, n: int) -> int:
         """The first of ``n`` fresh, consecutive handle ids."""
@@ -35,9 +36,24 @@ class HandleTable:
 
     def seen(self, hid: int) -> None:
         """Never hand out ``hid`` again (the worker used it), and count it as held."""
-        with self._lock:
-            self._next = max(self._next, hid + 1)
+        if hid >= self._next:  # (ids reserved here are below it already: no lock then)
+            with self._lock:
+                self._next = max(self._next, hid + 1)
         self._live.add(hid)
+
+    def held_by(self, stand_in: object, hid: int) -> None:
+        """Count reserved id ``hid`` as held while ``stand_in`` lives; its death releases it.
+
+        (A weak reference with a callback: a third of what ``weakref.finalize``
+        costs, which matters at one per saved activation per step.)
+        """
+        self._live.add(hid)
+        self._stand_ins[weakref.ref(stand_in, self._died)] = hid
+
+    def _died(self, ref: weakref.ref) -> None:
+        hid = self._stand_ins.pop(ref, None)
+        if hid is not None:
+            self.release(hid)
 
     def release(self, hid: int) -> None:
         """The worker may drop ``hid`` (safe from garbage collection, on any thread: set and deque ops only)."""

@@ -18,7 +18,6 @@ that outlives a lost connection can never name another tensor.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -51,10 +50,10 @@ def call_of(t: torch.Tensor) -> ForwardCall | None:
 
 
 def placeholder(table: HandleTable, hid: int, call: ForwardCall) -> torch.Tensor:
-    """An empty tensor standing for activation handle ``hid``; its death releases the handle."""
+    """An empty tensor standing for activation handle ``hid`` (reserved from ``table``); its death
+    releases the handle."""
     t = torch.empty(0)
     setattr(t, _HANDLE_ATTR, hid)
     setattr(t, _CALL_ATTR, call)
-    table.seen(hid)
-    weakref.finalize(t, table.release, hid).atexit = False
+    table.held_by(t, hid)
     return t

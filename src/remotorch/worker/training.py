@@ -34,6 +34,9 @@ _KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
 @dataclass
 class _SessionState:
     slots: dict[int, torch.nn.Parameter] = field(default_factory=dict)
+    # slot id -> its parameter detached (made once: the same object passes a graph's argument check
+    # again without one); dropped when the slot gets a new parameter or goes
+    detached: dict[int, torch.Tensor] = field(default_factory=dict)
     optims: dict[int, torch.optim.Optimizer] = field(default_factory=dict)
 
 
@@ -106,6 +109,7 @@ class Trainables:
                 opt.zero_grad(set_to_none=True)
         for sid in slots:
             st.slots.pop(sid, None)
+            st.detached.pop(sid, None)
         for o in optims:
             st.optims.pop(o, None)
 
@@ -117,6 +121,15 @@ class Trainables:
             raise MissingObjectsError(f"parameter slot {sid} is not held by this session (the "
                                       "connection was lost, or it was never bound)",
                                       slots=[sid]) from None
+
+    def value(self, session: object, sid: int) -> torch.Tensor:
+        """A slot's parameter as a graph argument: detached (the same object each call, sharing its
+        storage and version counter)."""
+        st = self._state(session)
+        t = st.detached.get(sid)
+        if t is None:
+            t = st.detached[sid] = self.slot(session, sid).detach()
+        return t
 
     def bind(self, session: object, sid: int, value: torch.Tensor, *, private: bool) -> None:
         """Set a slot's value; a new slot gets its own copy unless ``value`` is already private."""
@@ -132,6 +145,7 @@ class Trainables:
             raise InvalidRequestError(f"slot {sid} changed shape or dtype while an optimizer uses it")
         data = value if private and value.is_contiguous() else value.clone(memory_format=torch.contiguous_format)
         st.slots[sid] = torch.nn.Parameter(data, requires_grad=True)
+        st.detached.pop(sid, None)
 
     def accumulate(self, session: object, sid: int, grad: torch.Tensor, *, owned: bool) -> None:
         """PyTorch's AccumulateGrad: set the gradient when there is none, else add in place."""

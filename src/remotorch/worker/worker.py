@@ -429,7 +429,7 @@ class Worker:
             elif kind is m.HandleArg:
                 values.append(self.handles.get(session, a.id))
             elif kind is m.SlotArg:
-                values.append(self.trainables.slot(session, a.id).detach())
+                values.append(self.trainables.value(session, a.id))
             elif kind is m.ViewArg:
                 values.append(self.handles.view(session, a.id, a.shape, a.strides, a.offset))
             elif kind is m.ZerosArg:
