@@ -27,6 +27,13 @@ and run unchanged on a local model and on a ``remotorch.compile``\\ d one
    reaches them by, here the proxy: worker-to-worker sends pay the delay too.
    The gloo group that averages gradients is direct (``--group-host``).
 
+A control row for cases 5 and 6 (``control_units`` in ``_wan/cases.py``)
+runs the local code sleeping one RTT before each forward a remote run would
+wait for: what a remote that cost nothing but the round trip would give on
+this machine, where work that follows an idle wait runs slower (cold caches,
+a descheduled virtual CPU). It is printed under the targets as their floor,
+not judged.
+
 The peers (``_wan/peers.py`` says how each is set up and proxied): pickle
 over pyzmq called per graph (cases 1, 2, 6), torch RPC with the step moved by
 hand into one ``rpc_sync`` and pipelined with ``rpc_async`` (cases 1, 2, 6),
@@ -85,7 +92,7 @@ import remotorch  # noqa: E402
 from remotorch.client.embedded import spawn_worker  # noqa: E402
 from _wan import workload  # noqa: E402
 from _wan.netproc import Network  # noqa: E402
-from _wan.cases import CASES, inference_cases, training_cases, two_worker_cases  # noqa: E402
+from _wan.cases import CASES, control_units, inference_cases, training_cases, two_worker_cases  # noqa: E402
 from _wan.report import judge, print_table, print_targets  # noqa: E402
 from _wan.timing import echo_rtt, measure, summarize, warm  # noqa: E402
 
@@ -143,6 +150,7 @@ def run_rtts(args, units, net: Network | None, echo=None, info: dict | None = No
             if echo is not None and info is not None:
                 info.setdefault("echo_ms", {}).setdefault(f"{rtt:g}", []).append(echo_rtt(echo))
             for unit in units:
+                unit.rtt_s = rtt / 1e3
                 with watchdog(args.hang_s):
                     rows.append(summarize(unit, rtt, measure(unit, units_for(args, unit))))
         runs.append(rows)
@@ -170,6 +178,7 @@ def phase_remotorch(args, info: dict) -> list[list[dict]]:
             units[-1].note = (f"a session with a deeper queue than the default (steps="
                               f"{remotorch.QueueLimits().steps}): not a target, what the bound costs")
         units += inference_cases(infers, proxies[0], args.cases, tokens=args.tokens)
+        units += control_units(args.cases, tokens=args.tokens)
         if two:
             pair = stack.enter_context(remotorch.Session([p.url for p in proxies], token=token))
             units += two_worker_cases(pair, proxies, args.cases)
@@ -323,7 +332,7 @@ def main(argv=None) -> int:
         print_table(rows, say)
     inputs = 2 * workload.batches()[0].nbytes  # the batch, as input_ids and as labels
     targets = judge(runs, inputs)
-    print_targets(targets, len(runs), say)
+    print_targets(targets, runs, say)
     failed = info.get("failed", {})
     passed = all(t["pass"] for t in targets) and not failed
     wall = time.perf_counter() - start

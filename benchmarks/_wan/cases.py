@@ -12,6 +12,7 @@ costs). Case 7 runs on two workers, each behind its own proxy.
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import torch
@@ -33,6 +34,7 @@ CASES = {
     "pipeline": "7b. Pipeline (1F1B), 2 workers",
 }
 REMOTORCH = "remotorch"
+CONTROL = "control: local, idle one RTT a read"
 
 
 def counters(session: remotorch.Session) -> dict:
@@ -106,6 +108,41 @@ def _generate_unit(session, proxy, tokens: int) -> Unit:
     p = w.prompt()
     return _unit("generate", session, [proxy], lambda i: w.generate(model, p, tokens),
                  lambda i: w.generate(ref, p, tokens), same, per=tokens, scale=0.25)
+
+
+def control_units(names, tokens: int = 16) -> list[Unit]:
+    """What a remote that cost nothing but the round trip would give on this machine (cases 5 and 6).
+
+    The local code, unchanged, sleeping one RTT (``time.sleep``, the unit's
+    ``rtt_s``) before each forward whose result a remote run would wait for,
+    timed against itself without the sleeps. Its (remote - local) / RTT is 1
+    plus what waking from that idle time costs the same work here: caches and
+    a virtual CPU gone cold, which on a shared machine can make the next
+    millisecond of work take two or three. A remote call pays that too (and on
+    both ends), so this row is the floor for cases 5 and 6 on this machine, not
+    a target.
+    """
+    units = []
+    if "generate" in names:
+        idle, ref, p = w.gpt2(train=False), w.gpt2(train=False), w.prompt()
+        forward = idle.forward
+
+        def slept(*args, **kwargs):
+            time.sleep(unit.rtt_s)
+            return forward(*args, **kwargs)
+        idle.forward = slept
+        unit = Unit("generate", CONTROL, tokens, lambda i: w.generate(idle, p, tokens),
+                    lambda i: w.generate(ref, p, tokens), same, scale=0.25)
+        units.append(unit)
+    if "infer" in names:
+        net, ref_net, x = w.mlp(), w.mlp(), w.mlp_input()
+
+        def infer(i, net=net):
+            time.sleep(infer_unit.rtt_s)
+            return w.infer(net, x)
+        infer_unit = Unit("infer", CONTROL, 1, infer, lambda i: w.infer(ref_net, x), same)
+        units.append(infer_unit)
+    return units
 
 
 def two_worker_cases(session, proxies, names) -> list[Unit]:

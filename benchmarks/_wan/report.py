@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from _wan.cases import CASES, REMOTORCH
+from _wan.cases import CASES, CONTROL, REMOTORCH
 
 TARGET_RTT = 20.0
 # (case, limit on (remote - local) / RTT per step, at TARGET_RTT ms)
@@ -87,7 +87,19 @@ def _get(run: list[dict], case: str, system: str, key: str):
     return None if row is None else row.get(key)
 
 
-def print_targets(targets: list[dict], n_runs: int, say) -> None:
+def controls(runs: list[list[dict]]) -> dict[str, list[float]]:
+    """The control rows' (remote - local) / RTT at TARGET_RTT, per case, one value per run."""
+    out: dict[str, list[float]] = {}
+    for run in runs:
+        for case in CASES:
+            value = _get(run, case, CONTROL, "over_rtt")
+            if value is not None:
+                out.setdefault(case, []).append(value)
+    return out
+
+
+def print_targets(targets: list[dict], runs_rows: list[list[dict]], say) -> None:
+    n_runs = len(runs_rows)
     say(f"\nTargets at RTT {TARGET_RTT:g} ms (medians over steps; the median of {n_runs} run{'s' * (n_runs > 1)}):")
     if not targets:
         say(f"  none measured (run with an RTT of {TARGET_RTT:g} ms)")
@@ -96,3 +108,6 @@ def print_targets(targets: list[dict], n_runs: int, say) -> None:
         runs = ", ".join(f"{v:.{digits}f}" for v in t["per_run"])
         say(f"  {t['name']:72s} {t['value']:9.{digits}f} {'<' if t['strict'] else '<='} {t['limit']:g}  "
             f"(runs {runs})  {'PASS' if t['pass'] else 'FAIL'}")
+    for case, values in controls(runs_rows).items():
+        say(f"  (the floor on this machine for {CASES[case]}: the local code idle one RTT a read gives "
+            f"{statistics.median(values):.3f}, runs {', '.join(f'{v:.3f}' for v in values)}; not a target)")

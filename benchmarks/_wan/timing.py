@@ -45,6 +45,7 @@ class Unit:
     scale: float = 1.0  # units timed = max(2, round(steps x scale))
     lead: int = 1  # untimed units at the start of each round (until the loop is in its steady state)
     note: str = ""
+    rtt_s: float = 0.0  # the round-trip time it is measured at now (set before each measurement)
 
 
 WAITS = ("blocking_reads", "requests", "queue_waits")  # counted over the timed units

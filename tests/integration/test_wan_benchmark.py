@@ -5,8 +5,9 @@ through the delay proxy, two timed units per case, remotorch only, no Ray or
 torch RPC), on the cases that compile fast (generate and the local-optimizer
 step are left out to keep this cheap). Its figures are timings and are not
 judged here; the test checks that every case ran or, for the two-worker
-cases, reported why it did not, that every figure is a finite number, and
-that every remote result matched the local one.
+cases, reported why it did not, that every figure is a finite number, that
+every remote result matched the local one, and that the control row (the
+local code idle one RTT a read) is there and at least the RTT slower.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from helpers import REPO
 SCRIPT = REPO / "benchmarks" / "wan.py"
 ONE_WORKER = ("train", "train10", "branch", "infer")
 TWO_WORKERS = ("dp", "pipeline")
+CONTROL = "control: local, idle one RTT a read"
 
 
 def test_quick_run_prints_its_table_with_a_row_per_case(tmp_path):
@@ -34,8 +36,13 @@ def test_quick_run_prints_its_table_with_a_row_per_case(tmp_path):
     assert out.exists(), f"no figures (a hang prints every thread's stack):\n{proc.stderr[-6000:]}"
     data = json.loads(out.read_text())
     assert data["quick"] is True and data["rtts_ms"] == [2.0] and len(data["runs"]) == 1
-    rows = {r["case"]: r for r in data["runs"][0]}
-    assert {r["system"] for r in data["runs"][0]} == {"remotorch"}  # no peers in a quick run
+    rows = {r["case"]: r for r in data["runs"][0] if r["system"] == "remotorch"}
+    controls = {r["case"]: r for r in data["runs"][0] if r["system"] == CONTROL}
+    assert {r["system"] for r in data["runs"][0]} == {"remotorch", CONTROL}  # no peers in a quick run
+    # the control (case 6 here): the local code sleeping one RTT a call, so at least that much slower
+    assert set(controls) == {"infer"}, controls.keys()
+    assert controls["infer"]["remote_ms"] >= controls["infer"]["local_ms"] + 2.0, controls
+    assert f"{CONTROL} " in proc.stdout
     failed = data.get("failed", {})
     assert set(ONE_WORKER) <= set(rows), rows.keys()
     assert set(TWO_WORKERS) <= set(rows) | set(failed)
