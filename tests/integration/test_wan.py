@@ -336,6 +336,41 @@ def test_a_loop_that_never_reads_stays_within_its_bound(relay, session_for):
     s.synchronize()
 
 
+def test_the_step_bound_counts_steps_ahead_of_the_worker_not_those_on_the_wire(server, session_for):
+    # across a 40 ms round trip a loop of short steps has several on the wire: one step ahead of the
+    # worker (steps=1) still lets them all be sent, and the bound holds what is beyond them
+    limits = remotorch.QueueLimits(steps=1)
+    with DelayProxy(server.url, delay_ms=20) as far:
+        s = session_for(far.url, queue=limits)
+        model = tiny_mlp(16, 32, 1)
+        f = remotorch.compile(lambda x, y: F.mse_loss(model(x), y), session=s, fallback="raise")
+        opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), lr=0.01, session=s)
+        x, y = torch.randn(8, 16), torch.randn(8, 1)
+        f(x, y).item()
+        stream = s.connection.link.stream
+        unanswered = []
+        for _ in range(30):
+            loss = f(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            unanswered.append(stream._steps)
+            assert stream._steps <= limits.steps + stream.pipe.steps() + 1  # (+1: the one just sent)
+        assert stream.pipe.steps() >= 2  # it measured the link: the round trip is several steps long
+        assert max(unanswered) > limits.steps + 1
+        s.synchronize()
+        ref = tiny_mlp(16, 32, 1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+        for _ in range(30):  # the same steps locally: none lost, none applied twice
+            F.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        s.pull(model)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q)
+        s.close()
+
+
 # -------------------------------------------------------------------- the timeline
 def test_trace_records_requests_their_round_trips_worker_runs_and_each_wait_with_its_line(wan, tmp_path):
     import json

@@ -30,7 +30,7 @@ on the stream. Once raised, an error is not raised again by sync: the
 session goes on working.
 
 The queue is bounded (:class:`QueueLimits`): requests and bytes in flight,
-and optimizer steps ahead. (Replies need no bound: the transport reads the
+and optimizer steps ahead of the worker (beyond those the link holds). (Replies need no bound: the transport reads the
 replies that come while it writes a request, so the worker, which stops
 reading while a reply waits to be written, never waits on this side.)
 ``blocking=True`` (``REMOTORCH_LAUNCH_BLOCKING=1``) waits for every reply at
@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from .. import errors
 from . import origin as origins
 from . import trace
+from .depth import StepPipe
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +62,15 @@ class QueueLimits:
 
     ``requests`` and ``nbytes``: requests sent and not yet answered, and their
     bytes (kept for a replay after a dropped connection); ``steps``: optimizer
-    steps (a training loop's iterations) not yet answered. A step's answer
-    comes a round trip after it is sent, so a loop that reads rarely runs
-    about ``steps`` steps per round trip: 8 keeps a loop of 2.5 ms steps
-    busy across a 20 ms link.
+    steps (a training loop's iterations) ahead of the worker: not yet
+    answered, beyond those the link itself holds (on their way there, or
+    answered and on their way back: the round trip over the loop's pace, see
+    :mod:`remotorch.client.depth`). On loopback that is steps not yet answered.
     """
 
     requests: int = 256
     nbytes: int = 256 << 20
-    steps: int = 8
+    steps: int = 4
 
 
 @dataclass(eq=False)
@@ -106,6 +107,7 @@ class Launched:
     message: tuple = field(default=(), repr=False)  # (header, frames) as sent, for a replay
     nbytes: int = 0
     sent_at: float = 0.0
+    alone: bool = False  # sent while nothing else was in flight (its round trip had no queue)
 
     def raise_error(self) -> None:
         """Raise what the call failed with, naming the call and the line that issued it."""
@@ -157,6 +159,8 @@ class Stream:
         self.inflight: deque[Launched] = deque()
         self._bytes = 0
         self._steps = 0
+        self.pipe = StepPipe()  # the steps the link holds: allowed beyond ``limits.steps``
+        self._room_waited = 0.0  # seconds spent waiting for room in the queue, all told
         self.unreported: list[Launched] = []  # failed, and not raised yet
         self.failed_objects: dict[tuple, Launched] = {}  # objects failed calls were to make
         self.blocking_reads = 0  # waits for the worker on behalf of a read (the round trips code cost)
@@ -176,7 +180,7 @@ class Stream:
         launched.seq = self.seq
         header = self._encode(body, self.seq, self.acked)
         self._make_room(launched)
-        alone = not self.inflight
+        alone = launched.alone = not self.inflight
         launched.message = (header, list(frames))
         launched.nbytes = len(header) + sum(memoryview(f).nbytes for f in frames)
         self._enter(launched)
@@ -197,6 +201,8 @@ class Stream:
             else:  # a new connection was refused (a token no longer accepted): all is lost
                 self._lose(list(self.inflight), exc)
         launched.sent_at = time.perf_counter()
+        if launched.step:
+            self.pipe.stepped(launched.sent_at, self._room_waited)
         if self.blocking:
             self.wait(launched, read=False)
         else:
@@ -227,10 +233,13 @@ class Stream:
     def _make_room(self, launched: Launched) -> None:
         limits = self.limits
         while self.inflight and (len(self.inflight) >= limits.requests or self._bytes >= limits.nbytes
-                                 or (launched.step and self._steps >= limits.steps)):
+                                 or (launched.step and self._steps >= limits.steps
+                                     and self._steps >= limits.steps + self.pipe.steps())):
             if not self._drain_ready():
                 self.queue_waits += 1
+                started = time.perf_counter()
                 self._settle_one()
+                self._room_waited += time.perf_counter() - started
 
     # ------------------------------------------------------------------ reading
     def wait(self, launched: Launched, read: bool = True) -> None:
@@ -327,6 +336,8 @@ class Stream:
         header, frames = message
         self.acked = launched.seq
         self._leave(launched)
+        if launched.alone:
+            self.pipe.answered(time.perf_counter() - launched.sent_at)
         try:
             reply = self._parse(header, launched.expect)
             launched.reply, launched.frames = reply, frames
@@ -380,6 +391,7 @@ class Stream:
                 raise errors.WorkerUnavailableError(
                     "the worker no longer holds this session (it restarted, or the lease ran out)")
             for launched in todo:
+                launched.alone = False  # (its round trip now includes the reconnection)
                 self._post(*launched.message)
             log.info("reconnected; sent %d request(s) in flight again", len(todo))
         except errors.RemoteError as exc:
