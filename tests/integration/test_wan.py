@@ -314,23 +314,33 @@ def test_a_worker_that_dies_mid_queue_is_raised_at_the_next_read_naming_what_was
 
 
 # -------------------------------------------------------------------- the bound
-def test_a_loop_that_never_reads_stays_within_its_bound(relay, session_for):
-    limits = remotorch.QueueLimits(requests=8)
-    s = session_for(relay.url, queue=limits)
+def sgd_loop(s, steps: int, each) -> torch.nn.Module:
+    """Train a small MLP with SGD on the worker for ``steps`` steps that never read (the first call is
+    read: it compiles); ``each()`` after every step. The model, its weights still on the worker."""
     model = tiny_mlp(16, 32, 1)
     f = remotorch.compile(lambda x, y: F.mse_loss(model(x), y), session=s, fallback="raise")
     opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), lr=0.01, session=s)
-    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)), torch.zeros(8, 1)
     f(x, y).item()
-    stream = s.connection.link.stream
-    held = []
-    for _ in range(40):
+    for _ in range(steps):
         loss = f(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
+        each()
+    return model
+
+
+def test_a_loop_that_never_reads_stays_within_its_bound(relay, session_for):
+    limits = remotorch.QueueLimits(requests=8)
+    s = session_for(relay.url, queue=limits)
+    stream = s.connection.link.stream
+    held = []
+
+    def each():
         assert len(stream.inflight) <= limits.requests
         held.append(s.connection.handles.live)
+    sgd_loop(s, 40, each)
     assert s.stats()["queue_waits"] > 0  # the bound held the loop back
     assert max(held[10:]) <= max(held[:10]) + 2  # nothing piles up on the worker either
     s.synchronize()
@@ -342,26 +352,20 @@ def test_the_step_bound_counts_steps_ahead_of_the_worker_not_those_on_the_wire(s
     limits = remotorch.QueueLimits(steps=1)
     with DelayProxy(server.url, delay_ms=20) as far:
         s = session_for(far.url, queue=limits)
-        model = tiny_mlp(16, 32, 1)
-        f = remotorch.compile(lambda x, y: F.mse_loss(model(x), y), session=s, fallback="raise")
-        opt = RemoteOptimizer(torch.optim.SGD, model.parameters(), lr=0.01, session=s)
-        x, y = torch.randn(8, 16), torch.randn(8, 1)
-        f(x, y).item()
         stream = s.connection.link.stream
         unanswered = []
-        for _ in range(30):
-            loss = f(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+
+        def each():
             unanswered.append(stream._steps)
             assert stream._steps <= limits.steps + stream.pipe.steps() + 1  # (+1: the one just sent)
+        model = sgd_loop(s, 30, each)
         assert stream.pipe.steps() >= 2  # it measured the link: the round trip is several steps long
         assert max(unanswered) > limits.steps + 1
         s.synchronize()
-        ref = tiny_mlp(16, 32, 1)
+        ref = tiny_mlp(16, 32, 1)  # the same steps locally
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
-        for _ in range(30):  # the same steps locally: none lost, none applied twice
+        x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)), torch.zeros(8, 1)
+        for _ in range(30):  # none lost, none applied twice
             F.mse_loss(ref(x), y).backward()
             ref_opt.step()
             ref_opt.zero_grad()
