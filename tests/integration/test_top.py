@@ -81,11 +81,16 @@ def test_top_at_a_terminal_redraws_and_ends_cleanly_on_ctrl_c(start_server):
     out = run_in_terminal([sys.executable, "-m", "remotorch", "top", srv.url, "--token", TOKEN, "--count", "3",
                            "--interval", "0.2"], env)
     assert ESC in out and "watched" in out and "tenants" in out and "Traceback" not in out
-    proc = subprocess.Popen([sys.executable, "-m", "remotorch", "top", srv.url, "--token", TOKEN, "--interval", "0.2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "remotorch", "top", srv.url, "--token", TOKEN,
+                             "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     time.sleep(3.0)
     proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=60)
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # hung after Ctrl-C: its threads' stacks say where
+        proc.send_signal(signal.SIGABRT)
+        stdout, stderr = proc.communicate(timeout=30)
+        raise AssertionError(f"remotorch top did not end 60 s after Ctrl-C:\n{stderr[-6000:]}") from None
     assert proc.returncode == 0 and "Traceback" not in stderr and "watched" in stdout, stderr
 
 
