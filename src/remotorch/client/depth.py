@@ -16,7 +16,7 @@ others at the worker, so queueing does not inflate it (a bound that grew
 with the queue would feed on itself), and a link that got slower is seen at
 once. Its own run time counts too (a graph's compile, an optimizer's first
 step), and so does a reply read late (the program was busy tracing), so the
-estimate errs long, never short: more steps ahead than asked for (still
+estimate errs long rather than short: more steps ahead than asked for (still
 within the request and byte bounds) until the next such request, never a
 worker left idle because of it. The pace is
 the median time the program took from one optimizer step to the next, less
