@@ -14,15 +14,15 @@ The round trip is the time from sending a request to reading its reply, of
 the last request sent while nothing else was in flight: none waited behind
 others at the worker, so queueing does not inflate it (a bound that grew
 with the queue would feed on itself), and a link that got slower is seen at
-once. Its own run time counts too (a graph's compile, an optimizer's first
+the next one. Its own run time counts too (a graph's compile, an optimizer's first
 step), and so does a reply read late (the program was busy tracing), so the
 estimate errs long rather than short: more steps ahead than asked for (still
 within the request and byte bounds) until the next such request, never a
-worker left idle because of it. The pace is
-the median time the program took from one optimizer step to the next, less
-the time it waited for room in the queue (else the bound would set the pace
-it is computed from); a loop's occasional read does not move a median. Until
-both are known, the link holds none.
+worker left idle because of it. The pace is the median time the program
+took from one optimizer step to the next, less the time it waited for room
+in the queue (else the bound would set the pace it is computed from); a
+loop's occasional read does not move a median. Until both are known, the
+link holds none.
 """
 
 from __future__ import annotations
