@@ -30,9 +30,10 @@ on the stream. Once raised, an error is not raised again by sync: the
 session goes on working.
 
 The queue is bounded (:class:`QueueLimits`): requests and bytes in flight,
-and optimizer steps ahead of the worker (beyond those the link holds). (Replies need no bound: the transport reads the
-replies that come while it writes a request, so the worker, which stops
-reading while a reply waits to be written, never waits on this side.)
+and optimizer steps ahead of the worker (beyond those the link holds). (Replies
+need no bound: the transport reads the replies that come while it writes a
+request, so the worker, which stops reading while a reply waits to be
+written, never waits on this side.)
 ``blocking=True`` (``REMOTORCH_LAUNCH_BLOCKING=1``) waits for every reply at
 once, as ``CUDA_LAUNCH_BLOCKING`` does.
 """
@@ -233,8 +234,8 @@ class Stream:
     def _make_room(self, launched: Launched) -> None:
         limits = self.limits
         while self.inflight and (len(self.inflight) >= limits.requests or self._bytes >= limits.nbytes
-                                 or (launched.step and self._steps >= limits.steps
-                                     and self._steps >= limits.steps + self.pipe.steps())):
+                                 or (launched.step and self._steps >= limits.steps  # (the link's
+                                     and self._steps >= limits.steps + self.pipe.steps())):  # only then)
             if not self._drain_ready():
                 self.queue_waits += 1
                 started = time.perf_counter()
