@@ -72,10 +72,16 @@ def _wait(readers: list, writers: list, timeout: float | None) -> tuple[list, li
 
 @dataclass
 class Exchange:
-    """What crossed one connection in one burst each way: ``up`` (client → worker) then ``down``."""
+    """What crossed one connection in one burst each way: ``up`` (client → worker) then ``down``.
+
+    ``reads_up`` and ``reads_down``: in how many reads the relay took them (each one what had arrived
+    when it came to read: a write of the sender's, or more than one if they came close together).
+    """
 
     up: int = 0
     down: int = 0
+    reads_up: int = field(default=0, compare=False)
+    reads_down: int = field(default=0, compare=False)
 
 
 @dataclass(eq=False)
@@ -314,8 +320,10 @@ class DelayProxy:
                 link.exchanges.append(Exchange())
             if flow.up:
                 link.exchanges[-1].up += len(data)
+                link.exchanges[-1].reads_up += 1
             else:
                 link.exchanges[-1].down += len(data)
+                link.exchanges[-1].reads_down += 1
 
     def _flush(self) -> float | None:
         """Pass on every chunk that is due; the seconds until the next one is (None: nothing to wait for)."""

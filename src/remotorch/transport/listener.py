@@ -14,7 +14,8 @@ writes: a reply the peer does not take is left queued on its connection
 (the loop serves others and writes more when the socket has room), and a
 peer that takes nothing for ``message_timeout`` is dropped. PyTorch's CPU kernels also
 run markedly slower from secondary threads, so the graphs run where they are
-fastest, one at a time.
+fastest, one at a time. A reply that only acknowledges its request (``quiet()``) waits for
+the next while more of the peer's requests are here (:mod:`~remotorch.transport.holding`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from collections.abc import Callable, Sequence
 from .framing import AuthFailed, FramedChannel, FramingError, MessageTooLarge
 from .base import Spin, poll_until
 from .handshake import accept_handshake
+from .holding import Holding
 from .tls import wrap_server
 
 log = logging.getLogger(__name__)
@@ -70,8 +72,10 @@ class TcpServer:
                  tickets: Callable[[bytes], bytes | None] | None = None,
                  ticket_handler: TicketHandler | None = None, tenants=None,
                  on_connect: Callable[[int, bytes | None], None] | None = None,
-                 between: Callable[[], None] | None = None) -> None:
+                 between: Callable[[], None] | None = None,
+                 quiet: Callable[[], bool] | None = None) -> None:
         self._handler = handler
+        self._quiet = quiet  # the reply just made only acknowledges its request (it may be held)
         self._tenants = tenants  # token hashes by key id, and the plain token (worker.tenants.Tenants)
         self._on_connect = on_connect  # (connection id, the key id its hello named) once authenticated
         self._between = between  # run on the serving thread after each wake-up (see wake())
@@ -103,6 +107,7 @@ class TcpServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._channels: dict[int, FramedChannel] = {}
         self._stalled: dict[int, float] = {}  # connection -> when its unfinished message times out
+        self._holding = Holding()
 
     @property
     def connections(self) -> int:
@@ -320,9 +325,12 @@ class TcpServer:
                 if channel.sock.gettimeout() != 0.0:  # TLS: written with the socket's timeout
                     channel.send(reply, reply_frames)
                 else:
+                    hold = self._holding.before(channel, cid, self._quiet is not None and self._quiet())
                     channel.queue(reply, reply_frames)
                     del reply_frames
-                    if not channel.flush():  # the peer is not reading: serve others meanwhile
+                    done = channel.flush()
+                    self._holding.after(channel, cid, hold, done)
+                    if not done:  # the peer is not reading: serve others meanwhile
                         self._stalled[cid] = time.monotonic() + self._message_timeout
                         sel.modify(channel.sock, selectors.EVENT_WRITE, cid)
                         return
@@ -338,6 +346,7 @@ class TcpServer:
 
     def _drop(self, sel: selectors.BaseSelector, cid: int) -> None:
         self._stalled.pop(cid, None)
+        self._holding.forget(cid)
         channel = self._channels.pop(cid)
         try:
             sel.unregister(channel.sock)

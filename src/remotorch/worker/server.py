@@ -50,7 +50,7 @@ class WorkerServer:
                               limit_error=lambda msg: m.encode(m.ErrorReply(LimitExceededError.kind, msg)),
                               tickets=self.service.tickets.secret, ticket_handler=self.service.deliver,
                               tenants=tenants, on_connect=None if tenancy is None else tenancy.connected,
-                              between=self._between)
+                              between=self._between, quiet=lambda: self.service.last_quiet)
         self.service.close_connection = self._tcp.close_connection
         self.metrics_address = self.metrics.serve(*metrics) if self.metrics is not None else None
         self.address = self._tcp.address

@@ -39,8 +39,9 @@ from .worker import Worker
 log = logging.getLogger(__name__)
 
 Reply = tuple[bytes, list]
-_WIRE = (m.HandleArg, m.KeptArg, m.ScalarArg)
-_LIVENESS = (m.Attach, m.Heartbeat, m.Detach)  # never refused for a tenant's request rate  # outputs the worker disposed of (the rest travel inline)
+_WIRE = (m.HandleArg, m.KeptArg, m.ScalarArg)  # outputs the worker disposed of (the rest travel inline)
+_LIVENESS = (m.Attach, m.Heartbeat, m.Detach)  # never refused for a tenant's request rate
+_OK = m.encode(m.Ok())  # one object: an acknowledgement is told by it
 
 
 def error_reply(exc: RemoteError) -> bytes:
@@ -57,7 +58,7 @@ def _answer(o, w: FrameWriter):
 
 
 def _ok() -> Reply:
-    return m.encode(m.Ok()), []
+    return _OK, []
 
 
 class Service:
@@ -135,6 +136,7 @@ class Service:
         """Decode one request, run it, encode the reply (errors included)."""
         self._connections.add(cid)
         self.last_body = self.last_run = None  # (what the metrics read after each request)
+        self.last_quiet = False  # its reply only acknowledges it: the transport may hold it (see listener)
         try:
             try:
                 env = m.decode_envelope(header)
@@ -163,6 +165,7 @@ class Service:
         if reply is None:
             reply = self._serve(cid, env, frames)
             self.replays.ran(session, env.seq, reply)
+        self.last_quiet = self.last_quiet or reply[0] is _OK
         return reply
 
     def _serve(self, cid: int, env: m.Envelope, frames: list) -> Reply:
@@ -184,11 +187,9 @@ class Service:
                                            remote_traceback=traceback.format_exc())), []
 
     def _check_size(self, header: bytes, frames: list) -> None:
-        if self.max_message_bytes is not None:
-            size = len(header) + sum(f.nbytes for f in frames)
-            if size > self.max_message_bytes:
-                raise LimitExceededError(f"message of {size} bytes is over the worker's limit of "
-                                         f"{self.max_message_bytes}")
+        size = len(header) + sum(f.nbytes for f in frames) if self.max_message_bytes is not None else 0
+        if size and size > self.max_message_bytes:
+            raise LimitExceededError(f"message of {size} bytes is over the worker's limit of {self.max_message_bytes}")
 
     def _dispatch(self, cid: int, req, pending: m.Pending | None, frames: list) -> Reply:
         if isinstance(req, m.Attach):
@@ -267,6 +268,7 @@ class Service:
         if req.brief:  # only what the client does not know: values, and outputs not disposed of as planned
             at = [i for i, o in enumerate(ran.outputs) if not isinstance(o, _WIRE) and o is not None]
             outputs = [_answer(ran.outputs[i], w) for i in at]
+            self.last_quiet = not outputs and not ran.rng
             return m.encode(m.RunReply(outputs, ran.ms, ran.compiled, at, ran.rng or [])), w.frames
         outputs = [o if isinstance(o, _WIRE) else _answer(o, w) for o in ran.outputs]
         return m.encode(m.RunReply(outputs, ran.ms, ran.compiled, rng=ran.rng or [])), w.frames
