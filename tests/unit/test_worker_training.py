@@ -8,7 +8,7 @@ import torch
 
 from remotorch.errors import InvalidRequestError, MissingObjectsError
 from remotorch.worker.handles import HandleStore, count_bytes
-from remotorch.worker.training import Trainables, optimizer_class, plain_hyper
+from remotorch.worker.training import SAME_BITS_FOREACH, Trainables, optimizer_class, plain_hyper
 
 S = "session-a"
 
@@ -108,3 +108,39 @@ def test_optimizer_names_resolve_only_to_torch_optim_classes():
     for key in ("params", "_x", "a b", "__init__"):
         with pytest.raises(InvalidRequestError):
             plain_hyper({key: 1})
+
+
+@pytest.mark.parametrize("name", sorted(SAME_BITS_FOREACH))
+def test_a_cpu_worker_steps_with_foreach_and_gets_the_same_bits_as_torchs_default_loop(state, name):
+    """The worker picks the multi-tensor step where the user left ``foreach`` unset; it must change no bit."""
+    torch.manual_seed(0)
+    shapes = [(64, 32), (32,), (300, 64), (1,)]
+    values = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(5)]
+    local = [torch.nn.Parameter(v.clone()) for v in values]
+    hyper = dict(getattr(torch.optim, name)([torch.zeros(1, requires_grad=True)]).defaults, lr=1e-2)
+    assert hyper["foreach"] is None
+    opt_local = getattr(torch.optim, name)([{"params": local, **hyper}], lr=1e-2)  # torch's own default: the loop
+    for sid, v in enumerate(values, 1):
+        state.bind(S, sid, v.clone(), private=True)
+    state.optim_create(S, 1, name, [list(range(1, len(values) + 1))], [hyper])
+    assert state._optim(S, 1).param_groups[0]["foreach"] is True
+    for step in grads:
+        for p, g in zip(local, step):
+            p.grad = g.clone()
+        opt_local.step()
+        for sid, g in enumerate(step, 1):
+            state.accumulate(S, sid, g.clone(), owned=True)
+        state.optim_step(S, 1, [{}])
+        state.apply_pending(S, zero_grad=[1])
+    for sid, p in enumerate(local, 1):
+        assert torch.equal(state.slot(S, sid).detach(), p.detach()), f"{name}: parameter {sid} differs"
+
+
+def test_a_foreach_the_user_chose_is_kept(state):
+    state.bind(S, 1, torch.zeros(3), private=True)
+    state.optim_create(S, 1, "AdamW", [[1]], [{"lr": 0.1, "foreach": False}])
+    state.bind(S, 2, torch.zeros(3), private=True)
+    state.optim_create(S, 2, "SGD", [[2]], [{"lr": 0.1, "foreach": None}])  # no faster: torch's default
+    assert state._optim(S, 1).param_groups[0]["foreach"] is False
+    assert state._optim(S, 2).param_groups[0]["foreach"] is None

@@ -27,6 +27,11 @@ import torch
 from ..errors import InvalidRequestError, MissingObjectsError, WorkerError
 from .handles import count_bytes
 
+# Optimizers whose multi-tensor (``foreach``) step gives the same bits as their per-tensor loop, and is
+# faster (tests/unit/test_worker_training.py checks the first on this torch): on a CPU, where
+# torch's default is the loop, one whose ``foreach`` the user left unset takes the multi-tensor step,
+# as it would on CUDA. It holds one more temporary per parameter during the step, as it does there.
+SAME_BITS_FOREACH = frozenset({"Adam", "AdamW", "Adamax", "Adadelta", "RMSprop", "Rprop"})
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
 _KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
 
@@ -178,6 +183,11 @@ class Trainables:
             raise InvalidRequestError(f"optimizer id {oid} is already in use")
         param_groups = [{**plain_hyper(h), "params": [self.slot(session, s) for s in g]}
                         for g, h in zip(groups, hyper)]
+        if name in SAME_BITS_FOREACH and self.device.type == "cpu":
+            for group in param_groups:
+                if "foreach" in group and group["foreach"] is None and not any(
+                        group.get(k) for k in ("differentiable", "capturable", "fused")):
+                    group["foreach"] = True
         # the first group's values that the constructor takes become its arguments, so the
         # class checks them (a group may hold more keys, e.g. a scheduler's initial_lr)
         takes = inspect.signature(cls.__init__).parameters
