@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,6 +83,10 @@ class Proxy:
     def reset_log(self) -> None:
         self._net.ask(op="reset", id=self._index)
 
+    def cpu_s(self) -> float:
+        """CPU seconds the network process has used so far (all its relays: a real network takes none)."""
+        return self._net.ask(op="cpu")["s"]
+
     def totals(self) -> tuple[int, int]:
         """Bytes relayed up (to the server) and down since the last :meth:`reset_log`."""
         answer = self._net.ask(op="totals", id=self._index)
@@ -112,6 +117,8 @@ def serve() -> None:
             elif op == "reset":
                 proxies[command["id"]].reset_log()
                 answer = {}
+            elif op == "cpu":
+                answer = {"s": time.process_time()}
             elif op == "totals":
                 ex = proxies[command["id"]].exchanges()
                 answer = {"up": sum(e.up for e in ex), "down": sum(e.down for e in ex)}

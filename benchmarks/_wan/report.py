@@ -16,9 +16,9 @@ def print_table(rows: list[dict], say) -> None:
     """Every row, by case, then system, then RTT. ``waits``: round trips the code waited for (remotorch's
     ``blocking_reads``; the peers' blocking calls); ``full``: waits because remotorch's queue was full."""
     say(f"\n  {'case / system':44s} {'RTT':>4s} {'remote':>8s} {'local':>7s} {'(r-l)/RTT':>9s} {'waits':>6s} "
-        f"{'reqs':>5s} {'full':>5s} {'up B':>7s} {'down B':>8s}")
+        f"{'reqs':>5s} {'full':>5s} {'up B':>7s} {'down B':>8s} {'net CPU':>7s}")
     say(f"  {'':44s} {'ms':>4s} {'ms/step':>8s} {'ms/step':>7s} {'per step':>9s} {'/step':>6s} {'/step':>5s} "
-        f"{'/step':>5s} {'/step':>7s} {'/step':>8s}")
+        f"{'/step':>5s} {'/step':>7s} {'/step':>8s} {'ms/step':>7s}")
     for case, title in CASES.items():
         mine = [r for r in rows if r["case"] == case]
         if not mine:
@@ -32,7 +32,7 @@ def print_table(rows: list[dict], say) -> None:
                 say(f"    {system:42s} {r['rtt_ms']:4g} {r['remote_ms']:8.2f} {r['local_ms']:7.2f} "
                     f"{r['over_rtt']:9.3f} {_num(r.get('blocking_reads_per_step'), 6, 2)} "
                     f"{_num(r.get('requests_per_step'), 5, 1)} {_num(r.get('queue_waits_per_step'), 5, 2)} "
-                    f"{_num(up, 7, 0)} {_num(down, 8, 0)}")
+                    f"{_num(up, 7, 0)} {_num(down, 8, 0)} {_num(r.get('relay_cpu_ms_per_step'), 7, 2)}")
             if theirs[0]["note"]:
                 say(f"      ({theirs[0]['note']})")
 

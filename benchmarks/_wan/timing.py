@@ -75,6 +75,7 @@ class Samples:
     units_timed: int
     diffs: list[float]
     wire: tuple[int, int] | None  # bytes up, down through the proxies
+    relay_s: float = 0.0  # CPU seconds the network process used over the timed units
 
 
 def measure(unit: Unit, n: int, block: int = 5) -> Samples:
@@ -84,6 +85,7 @@ def measure(unit: Unit, n: int, block: int = 5) -> Samples:
     counted: dict = {}
     units_run = units_timed = 0
     diffs: list[float] = []
+    relay_s = 0.0
     for p in unit.proxies:
         p.reset_log()
     i = 0
@@ -94,11 +96,14 @@ def measure(unit: Unit, n: int, block: int = 5) -> Samples:
         first = unit.counters()
         results = [unit.remote(i + j) for j in range(lead)]
         before = unit.counters()
+        relay = unit.proxies[0].cpu_s() if unit.proxies else 0.0
         for j in range(lead, lead + k):
             t0 = clock()
             results.append(unit.remote(i + j))
             remote_s.append(clock() - t0)
         waited = unit.counters()
+        if unit.proxies:
+            relay_s += unit.proxies[0].cpu_s() - relay
         unit.sync()
         after = unit.counters()
         # waits and requests: the timed units' (the loop's steady state); bytes: every unit's, replies included
@@ -116,7 +121,7 @@ def measure(unit: Unit, n: int, block: int = 5) -> Samples:
     if unit.proxies:
         totals = [p.totals() for p in unit.proxies]
         wire = (sum(up for up, _ in totals), sum(down for _, down in totals))
-    return Samples(remote_s, local_s, counted, units_run, units_timed, diffs, wire)
+    return Samples(remote_s, local_s, counted, units_run, units_timed, diffs, wire, relay_s)
 
 
 def summarize(unit: Unit, rtt_ms: float, samples: Samples) -> dict:
@@ -138,6 +143,8 @@ def summarize(unit: Unit, rtt_ms: float, samples: Samples) -> dict:
         row[f"{key}_per_step"] = value / (per_timed_step if key in WAITS else per_step)
     if unit.waits is not None:
         row["blocking_reads_per_step"] = unit.waits / unit.per
+    if unit.proxies:
+        row["relay_cpu_ms_per_step"] = samples.relay_s / per_timed_step * 1e3
     if samples.wire is not None:
         row["wire_up_per_step"], row["wire_down_per_step"] = (b / per_step for b in samples.wire)
     return row
