@@ -73,6 +73,10 @@ class HandleStore:
         with self._lock:
             self._expected.setdefault(session, {}).update(dict.fromkeys(ids, deadline))
 
+    def held(self, session: object) -> dict[int, torch.Tensor]:
+        """The session's handles now, to look up many at once (read only; on a miss, ask :meth:`get`)."""
+        return self._sessions.get(session) or {}
+
     def get(self, session: object, hid: int) -> torch.Tensor:
         try:
             return self._of(session)[hid]

@@ -127,6 +127,11 @@ class Trainables:
                                       "connection was lost, or it was never bound)",
                                       slots=[sid]) from None
 
+    def values_made(self, session: object) -> dict[int, torch.Tensor]:
+        """Slot id -> the detached parameter :meth:`value` made already (read only; on a miss, ask it)."""
+        st = self._sessions.get(session)
+        return st.detached if st is not None else {}
+
     def value(self, session: object, sid: int) -> torch.Tensor:
         """A slot's parameter as a graph argument: detached (the same object each call, sharing its
         storage and version counter)."""

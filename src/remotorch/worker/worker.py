@@ -413,23 +413,25 @@ class Worker:
         of them are reported at once); a handle or slot it does not hold
         raises ``MissingObjectsError`` at once (the client cannot re-upload it).
         """
-        reader, device = self.reader(frames), self.device
+        reader, device, held = self.reader(frames), self.device, self._tensors.getter(session, _MISSING)
         on_cpu = device.type == "cpu"
-        held = self._tensors.getter(session, _MISSING)
+        handles, slots = self.handles.held(session), self.trainables.values_made(session)  # (the usual case)
         values = []
         for a in args:
             kind = type(a)
-            if kind is m.RefArg:
+            if kind is m.HandleArg:
+                t = handles.get(a.id)
+                values.append(t if t is not None else self.handles.get(session, a.id))
+            elif kind is m.SlotArg:
+                t = slots.get(a.id)
+                values.append(t if t is not None else self.trainables.value(session, a.id))
+            elif kind is m.RefArg:
                 values.append(held(a.id))
             elif kind is m.TensorArg:
                 t = reader.tensor(a.meta)
                 values.append(t if on_cpu else t.to(device))
             elif kind is m.ScalarArg:
                 values.append(a.value)
-            elif kind is m.HandleArg:
-                values.append(self.handles.get(session, a.id))
-            elif kind is m.SlotArg:
-                values.append(self.trainables.value(session, a.id))
             elif kind is m.ViewArg:
                 values.append(self.handles.view(session, a.id, a.shape, a.strides, a.offset))
             elif kind is m.ZerosArg:
