@@ -2,7 +2,7 @@
 
 The worker here runs its graphs on the ``hold:0.4`` engine (each run answers
 0.4 s late), so that requests queued behind a run are all at the worker when
-it ends, on any machine; the runs queued behind it on ``hold:0.02``, so that
+it ends, on any machine; the runs queued behind it on ``hold:0.002``, so that
 their replies, were they not held, would leave far apart. The relay between counts the reads it took each
 direction's bytes in; the tests count those and the replies, and bound one
 wait by whole hold times (0.4 s units), never by the machine's speed.
@@ -21,7 +21,7 @@ from remotorch.devtools.netem import DelayProxy
 from helpers import tiny_mlp
 
 HOLD_S = 0.4
-SHORT_S = 0.02  # the queued runs' hold: far apart for the relay, all within the kernel's 200 ms cork
+SHORT_S = 0.002  # the queued runs' hold: far apart for the relay, all eight within HOLD_MAX_S
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +48,12 @@ def test_replies_to_queued_requests_come_back_in_one_write(holding, session_for)
     s.synchronize()
     before = s.stats()["requests_queued"]
     holding.reset_log()
-    kept = [slow(X)] + [quick(X) for _ in range(4)]  # the four are at the worker before the first ends
+    kept = [slow(X)] + [quick(X) for _ in range(8)]  # the eight are at the worker before the first ends
     s.synchronize()
-    assert s.stats()["requests_queued"] - before == len(kept) == 5
+    assert s.stats()["requests_queued"] - before == len(kept) == 9
     (exchange,) = holding.exchanges()
-    assert exchange.reads_down == 1, exchange  # five replies (not sent SHORT_S apart): one write
+    # nine replies, not sent SHORT_S apart: one write (two if a loaded machine made them take HOLD_MAX_S)
+    assert exchange.reads_down <= 2, exchange
 
 
 @torch.no_grad()

@@ -9,17 +9,23 @@ here (read, or in the socket), and leaves with the next reply that is not
 held: on TCP the socket is corked (``TCP_CORK``), so the kernel sends them
 as one segment. The last request of a burst finds nothing more here, so its
 reply, and every one held before it, leaves at once; a reply the peer waits
-for is never held (Linux also sends corked bytes after 200 ms at most).
-Elsewhere (a Unix socket, a system without ``TCP_CORK``) nothing is held.
+for is never held. A client whose queue is full waits for its oldest reply,
+though, and a worker that always has more to do would never let it go: so
+no reply is held more than :data:`HOLD_MAX_S` (the worker's answer to an
+optimizer step, which a training loop's queue bound waits for, is not held
+at all: ``quiet`` says so). Elsewhere (a Unix socket, a system without
+``TCP_CORK``) nothing is held.
 """
 
 from __future__ import annotations
 
 import socket
+import time
 
 from .framing import FramedChannel
 
 _CORK = getattr(socket, "TCP_CORK", None)
+HOLD_MAX_S = 0.05  # the longest a reply waits for the next (Linux's own ceiling for a cork is 200 ms)
 
 
 def more_here(channel: FramedChannel) -> bool:
@@ -38,21 +44,24 @@ class Holding:
     """The connections whose replies are held in the kernel now (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._corked: set[int] = set()
+        self._corked: dict[int, float] = {}  # connection -> since when its replies are held
 
     def before(self, channel: FramedChannel, cid: int, quiet: bool) -> bool:
         """Before a reply is written: whether to hold it (and the socket is corked if so)."""
-        hold = quiet and more_here(channel)
-        if hold and cid not in self._corked:
+        if not (quiet and more_here(channel)):
+            return False
+        since = self._corked.get(cid)
+        if since is None:
             channel.sock.setsockopt(socket.IPPROTO_TCP, _CORK, 1)
-            self._corked.add(cid)
-        return hold
+            self._corked[cid] = time.monotonic()
+            return True
+        return time.monotonic() - since < HOLD_MAX_S  # (held long enough: this one takes them out)
 
     def after(self, channel: FramedChannel, cid: int, hold: bool, written: bool) -> None:
         """After it was written (all of it, or not: the peer is slow to read): out with what was held."""
         if cid in self._corked and not (hold and written):
-            self._corked.discard(cid)
+            del self._corked[cid]
             channel.sock.setsockopt(socket.IPPROTO_TCP, _CORK, 0)
 
     def forget(self, cid: int) -> None:
-        self._corked.discard(cid)
+        self._corked.pop(cid, None)

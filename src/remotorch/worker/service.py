@@ -308,7 +308,7 @@ class Service:
 
     def _optim_step(self, session, req: m.OptimStep, frames) -> Reply:
         self.worker.trainables.optim_step(session, req.optim, req.hyper)
-        return _ok()
+        return m.encode(m.Ok()), []  # (not ``_OK``: a training loop's queue bound waits for it, never held)
 
     def _optim_zero_grad(self, session, req: m.OptimZeroGrad, frames) -> Reply:
         self.worker.trainables.optim_zero_grad(session, req.optim, req.set_to_none)

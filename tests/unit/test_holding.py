@@ -1,0 +1,82 @@
+"""The worker's holding of acknowledgements (transport/holding.py), on a real loopback TCP connection.
+
+The serving loop's end to end behaviour is in integration/test_held_replies.py;
+here each rule on its own: held only while more of the peer's bytes are here,
+and only when quiet, never past ``HOLD_MAX_S``, and let out by the next reply
+not held.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from remotorch.transport import holding
+from remotorch.transport.holding import Holding
+
+pytestmark = pytest.mark.skipif(getattr(socket, "TCP_CORK", None) is None, reason="needs TCP_CORK (Linux)")
+
+
+@pytest.fixture
+def pair():
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    conn, _ = server.accept()
+    conn.setblocking(False)
+    yield SimpleNamespace(sock=conn, readable=False), client
+    for s in (client, conn, server):
+        s.close()
+
+
+def corked(channel) -> bool:
+    return bool(channel.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CORK))
+
+
+def _wait_for_bytes(channel) -> None:
+    deadline = time.monotonic() + 5
+    while not holding.more_here(channel) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def test_a_quiet_reply_is_held_only_while_more_bytes_are_here(pair):
+    channel, client = pair
+    h = Holding()
+    assert not h.before(channel, 1, quiet=True) and not corked(channel)  # nothing more here: it goes now
+    client.sendall(b"next request")
+    _wait_for_bytes(channel)
+    assert not h.before(channel, 1, quiet=False) and not corked(channel)  # not quiet: never held
+    assert h.before(channel, 1, quiet=True) and corked(channel)
+    h.after(channel, 1, hold=True, written=True)
+    assert corked(channel)  # still held
+    assert not h.before(channel, 1, quiet=False)
+    h.after(channel, 1, hold=False, written=True)
+    assert not corked(channel)  # the next reply not held takes them out
+
+
+def test_no_reply_is_held_past_the_longest_hold(pair, monkeypatch):
+    channel, client = pair
+    monkeypatch.setattr(holding, "HOLD_MAX_S", 0.05)
+    h = Holding()
+    client.sendall(b"more")
+    _wait_for_bytes(channel)
+    assert h.before(channel, 1, quiet=True)
+    h.after(channel, 1, hold=True, written=True)
+    assert h.before(channel, 1, quiet=True)  # within the hold
+    time.sleep(0.06)
+    assert not h.before(channel, 1, quiet=True)  # held long enough: this one takes them out
+    h.after(channel, 1, hold=False, written=True)
+    assert not corked(channel)
+
+
+def test_a_reply_the_peer_is_slow_to_take_lets_out_what_was_held(pair):
+    channel, client = pair
+    h = Holding()
+    client.sendall(b"more")
+    _wait_for_bytes(channel)
+    assert h.before(channel, 7, quiet=True)
+    h.after(channel, 7, hold=True, written=False)  # the socket was full: nothing stays corked behind it
+    assert not corked(channel)
+    h.forget(7)
