@@ -167,8 +167,10 @@ def steady_step_bytes(four, session_for, width: int) -> tuple[int, int]:
     dp = DataParallel(model, session=s, loss_fn=F.mse_loss)
     opt = dp.optimizer(torch.optim.AdamW, lr=1e-3)
     train_remote(dp, x, y, 2, opt=opt)  # warm: traced, uploaded, optimizers made
+    s.synchronize()  # (the step's optimizer steps are answered after its loss is read: count them all)
     before = s.stats()
     train_remote(dp, x, y, 1, opt=opt)
+    s.synchronize()
     after = s.stats()
     return (after["bytes_sent"] - before["bytes_sent"]), (after["bytes_received"] - before["bytes_received"])
 

@@ -96,13 +96,13 @@ def dispose(worker: Stores, session: object, plan: OutputPlan, outs: list, input
     # a gradient may alias an argument or another output (e.g. the incoming
     # gradient passed straight through): only a fresh tensor may become .grad
     taken = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)} if grads else set()
-    result = []
+    result, brief = [], plan.brief  # (a brief reply leaves out what went as planned: it is not made)
     for i, o in enumerate(outs):
         if i in saved_ids:
-            result.append(m.HandleArg(saved_ids[i]))
+            result.append(_NIL if brief else m.HandleArg(saved_ids[i]))
         elif i in kept:
             hid, o = kept[i]
-            result.append(Echo(hid, o) if i in plan.echo else
+            result.append(Echo(hid, o) if i in plan.echo else _NIL if brief else
                           m.KeptArg(hid, dtype_name(o.dtype), list(o.shape), list(o.stride())))
         elif i in sent:
             result.append(_NIL)
