@@ -112,8 +112,7 @@ class Service:
         self._connections.discard(cid)
         if self.tenancy is not None:
             self.tenancy.disconnected(cid)
-        self.worker.close_session(cid)
-        self.replays.forget(cid)
+        self._end_session(cid)
         self.leases.disconnect(cid)
 
     def reap(self) -> None:
@@ -123,8 +122,7 @@ class Service:
             self.close_connection(cid)
         for lease in gone:
             log.info("session %r: lease expired, freeing what it held", lease)
-            self.worker.close_session(lease)
-            self.replays.forget(lease)
+            self._end_session(lease)
 
     def sessions(self) -> int:
         """Worker-side sessions now: attached sessions, and connections that serve as their own."""
@@ -187,9 +185,9 @@ class Service:
                                            remote_traceback=traceback.format_exc())), []
 
     def _check_size(self, header: bytes, frames: list) -> None:
-        size = len(header) + sum(f.nbytes for f in frames) if self.max_message_bytes is not None else 0
-        if size and size > self.max_message_bytes:
-            raise LimitExceededError(f"message of {size} bytes is over the worker's limit of {self.max_message_bytes}")
+        limit = self.max_message_bytes
+        if limit is not None and (size := len(header) + sum(f.nbytes for f in frames)) > limit:
+            raise LimitExceededError(f"message of {size} bytes is over the worker's limit of {limit}")
 
     def _dispatch(self, cid: int, req, pending: m.Pending | None, frames: list) -> Reply:
         if isinstance(req, m.Attach):
@@ -268,8 +266,9 @@ class Service:
         if req.brief:  # only what the client does not know: values, and outputs not disposed of as planned
             at = [i for i, o in enumerate(ran.outputs) if not isinstance(o, _WIRE) and o is not None]
             outputs = [_answer(ran.outputs[i], w) for i in at]
-            self.last_quiet = not outputs and not ran.rng
-            return m.encode(m.RunReply(outputs, ran.ms, ran.compiled, at, ran.rng or [])), w.frames
+            header = m.encode(m.RunReply(outputs, ran.ms, ran.compiled, at, ran.rng or []))
+            self.last_quiet = not outputs and not ran.rng  # (nothing after this can fail: not an error's)
+            return header, w.frames
         outputs = [o if isinstance(o, _WIRE) else _answer(o, w) for o in ran.outputs]
         return m.encode(m.RunReply(outputs, ran.ms, ran.compiled, rng=ran.rng or [])), w.frames
 
