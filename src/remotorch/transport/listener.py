@@ -321,11 +321,12 @@ class TcpServer:
                 del message
                 if header is not None:
                     reply, reply_frames = self._handler(cid, header, frames)
+                quiet = header is not None and self._quiet is not None and self._quiet()  # (a refusal: never)
                 del header, frames
                 if channel.sock.gettimeout() != 0.0:  # TLS: written with the socket's timeout
                     channel.send(reply, reply_frames)
                 else:
-                    hold = self._holding.before(channel, cid, self._quiet is not None and self._quiet())
+                    hold = self._holding.before(channel, cid, quiet)
                     channel.queue(reply, reply_frames)
                     del reply_frames
                     done = channel.flush()
