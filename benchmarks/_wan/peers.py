@@ -302,9 +302,9 @@ class RayPeer:
         import ray
 
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # token auth on, none written to $HOME
+        path = os.pathsep.join([BENCH_DIR, os.environ.get("PYTHONPATH", "")])  # packages set up beside the venv too
         ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 << 20,
-                 log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": BENCH_DIR, "OMP_NUM_THREADS": "1"}})
+                 log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
         stack.callback(ray.shutdown)
         self.ray = ray
         self.actor = ray.remote(w.StepServer).options(num_cpus=0).remote()
