@@ -72,7 +72,7 @@ class Link:
         self.stream = Stream(post=self._post, collect=lambda: self.transport.collect(),
                              ready=lambda: self.transport.ready(), reconnect=self._reconnect,
                              encode=self._encode, parse=lambda header, expect: parse_reply(header, self.url, expect),
-                             limits=limits, blocking=blocking)
+                             exchange=self._exchange, limits=limits, blocking=blocking)
         self.stream.before_wait = lambda: GENERATORS.awaited(self)  # a read brings the generator back too
 
     # ------------------------------------------------------------------ lifetime
@@ -221,16 +221,16 @@ class Link:
         launched = Launched(what or type(body).__name__, expect=expect, queued=False,
                             origin=origin.here() if trace.current() is not None else ())
         with self.lock:
-            self.launch(body, frames, launched, progress=progress, pending=pending)
-            self.stream.wait(launched)
+            self.launch(body, frames, launched, progress=progress, pending=pending, wait=True)
         launched.raise_error()
         return launched.reply, launched.frames
 
     def launch(self, body, frames: Sequence, launched: Launched, *, progress: Callable[[int], None] | None = None,
-               pending: m.Pending | None = None) -> Launched:
+               pending: m.Pending | None = None, wait: bool = False) -> Launched:
         """Send a request without waiting for its reply; ``launched.on_reply(reply, frames)`` runs
         when it is read (in order: by a later wait, or as replies arrive). A failure is kept on
-        ``launched`` and raised where its results are used (see :mod:`remotorch.client.stream`)."""
+        ``launched`` and raised where its results are used (see :mod:`remotorch.client.stream`).
+        ``wait``: and read its reply now (a failure is still kept on ``launched``)."""
         if time.monotonic() < self._down_until:
             raise errors.WorkerUnavailableError(f"worker {self.url or 'local'} failed moments ago; "
                                                 f"not retrying for {self._retry_after}s")
@@ -238,14 +238,19 @@ class Link:
             self.transport  # noqa: B018 (created on first use: names the stream)
             self._progress, self._pending = progress, pending
             try:
-                self.stream.launch(body, frames, launched)
+                if wait:
+                    self.stream.launch_and_wait(body, frames, launched)
+                else:
+                    self.stream.launch(body, frames, launched)
             finally:
                 self._progress = self._pending = None
             self.last_request = time.monotonic()
             return launched
 
     def _encode(self, body, seq: int, ack: int) -> bytes:
-        pending = self._pending if self._pending is not None else self.take_pending()
+        pending, self._pending = self._pending, None  # (the request's own, once: not a later one's)
+        if pending is None:
+            pending = self.take_pending()
         return m.encode(body, pending, seq=seq, ack=ack)
 
     def _post(self, header: bytes, frames: Sequence) -> None:
@@ -258,6 +263,24 @@ class Link:
                 exc.dropped = True
             elif isinstance(exc, errors.WorkerUnavailableError):  # no worker answered: not again at once
                 self._down_until = time.monotonic() + self._retry_after
+            raise
+
+    def _exchange(self, header: bytes, frames: Sequence) -> tuple:
+        """Post one message and read its reply, nothing else being in flight (``Stream.launch_and_wait``).
+        An error that closed the open connection says ``dropped``, as :meth:`_post`'s does."""
+        transport = self.transport
+        if not transport.connected:  # (a failure to connect is not a dropped connection)
+            try:
+                transport.connect()
+            except errors.WorkerUnavailableError:
+                self._down_until = time.monotonic() + self._retry_after
+                raise
+        progress, self._progress = self._progress, None
+        try:
+            return transport.request(header, frames, progress=progress)
+        except errors.RemoteError as exc:
+            if not transport.connected:  # (the transport closes a connection it lost)
+                exc.dropped = True
             raise
 
     def settle(self, until: Launched | None = None) -> None:

@@ -30,10 +30,8 @@ on the stream. Once raised, an error is not raised again by sync: the
 session goes on working.
 
 The queue is bounded (:class:`QueueLimits`): requests and bytes in flight,
-and optimizer steps ahead of the worker (beyond those the link holds). (Replies
-need no bound: the transport reads the replies that come while it writes a
-request, so the worker, which stops reading while a reply waits to be
-written, never waits on this side.)
+and optimizer steps ahead of the worker (beyond those the link holds). Replies
+need no bound: the transport reads those that come while it writes a request.
 ``blocking=True`` (``REMOTORCH_LAUNCH_BLOCKING=1``) waits for every reply at
 once, as ``CUDA_LAUNCH_BLOCKING`` does.
 """
@@ -45,7 +43,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .. import errors
 from . import origin as origins
@@ -74,7 +72,6 @@ class QueueLimits:
     steps: int = 4
 
 
-@dataclass(eq=False)
 class Launched:
     """A request sent without waiting for its reply; its reply (or error) is read in order later.
 
@@ -85,30 +82,31 @@ class Launched:
     keys of the objects it creates on the worker (``("h", handle id)``), so a
     later request that misses one of them fails with this call's error.
     ``quiet``: lost with its worker, it loses nothing Python holds (releases of
-    values that went with the worker): not raised unread.
+    values that went with the worker): not raised unread. ``step``: an
+    optimizer step (counts against ``QueueLimits.steps``); ``on_read``: called
+    at the first read that waits for it, with whether that came at once;
+    ``queued``: False when its caller waits for the reply at once; ``origin``:
+    the line that issued it. (Not a dataclass: one is made per request, and
+    only the arguments are set; the rest starts from the class's values.)
     """
 
-    what: str
-    on_reply: Callable[[object, list], None] | None = None
-    expect: type | None = None
-    on_error: Callable[[errors.RemoteError], None] | None = None
-    effect: bool = False
-    quiet: bool = False
-    makes: tuple = ()
-    step: bool = False  # an optimizer step: counts against QueueLimits.steps
-    on_read: Callable[[bool], None] | None = None  # at the first read that waits for it: whether it came at once
-    queued: bool = True  # False: its caller waits for the reply at once (not counted as queued)
-    origin: tuple = ()
-    seq: int = 0
-    done: bool = False
+    seq, done, reported, nbytes, sent_at = 0, False, False, 0, 0.0
     error: errors.RemoteError | None = None
-    reported: bool = False
-    reply: object = None
-    frames: list | None = None
-    message: tuple = field(default=(), repr=False)  # (header, frames) as sent, for a replay
-    nbytes: int = 0
-    sent_at: float = 0.0
-    alone: bool = False  # sent while nothing else was in flight (its round trip had no queue)
+    reply, frames = None, None
+    message: tuple = ()  # (header, frames) as sent, for a replay
+    alone = False  # sent while nothing else was in flight (its round trip had no queue)
+
+    def __init__(self, what: str, on_reply: Callable[[object, list], None] | None = None,
+                 expect: type | None = None, on_error: Callable[[errors.RemoteError], None] | None = None,
+                 effect: bool = False, quiet: bool = False, makes: tuple = (), step: bool = False,
+                 on_read: Callable[[bool], None] | None = None, queued: bool = True, origin: tuple = ()) -> None:
+        self.what, self.on_reply, self.expect, self.on_error = what, on_reply, expect, on_error
+        self.effect, self.quiet, self.makes, self.step = effect, quiet, makes, step
+        self.on_read, self.queued, self.origin = on_read, queued, origin
+
+    def __repr__(self) -> str:
+        state = "failed" if self.error is not None else ("answered" if self.done else "in flight")
+        return f"<Launched {self.seq}: {self.what}, {state}>"
 
     def raise_error(self) -> None:
         """Raise what the call failed with, naming the call and the line that issued it."""
@@ -149,9 +147,10 @@ class Stream:
     (raising its ``RemoteError``).
     """
 
-    def __init__(self, *, post, collect, ready, reconnect, encode, parse,
+    def __init__(self, *, post, collect, ready, reconnect, encode, parse, exchange=None,
                  limits: QueueLimits | None = None, blocking: bool = False) -> None:
         self._post, self._collect, self._ready = post, collect, ready
+        self._exchange = exchange  # post and collect in one, while nothing else is in flight (see request)
         self._reconnect, self._encode, self._parse = reconnect, encode, parse
         self.limits = limits or QueueLimits()
         self.blocking = blocking
@@ -212,14 +211,36 @@ class Stream:
                 self._drain_ready()
         return launched
 
-    def request(self, body, frames: Sequence = (), expect: type | None = None, what: str = "") -> tuple:
-        """Send a request and wait for its reply (raised if it failed): ``(reply, frames)``."""
-        launched = Launched(what or type(body).__name__, expect=expect, queued=False,
-                            origin=origins.here() if trace.current() is not None else ())
-        self.launch(body, frames, launched)
-        self.wait(launched)
-        launched.raise_error()
-        return launched.reply, launched.frames
+    def launch_and_wait(self, body, frames: Sequence, launched: Launched) -> None:
+        """:meth:`launch` then :meth:`wait`; with nothing else in flight, one exchange on the transport
+        (the same numbering, replay and errors; no queue to make room in or drain, no trace)."""
+        if (self.inflight or self._exchange is None or self.blocking or launched.step or launched.on_read is not None
+                or trace.current() is not None):
+            self.launch(body, frames, launched)
+            return self.wait(launched)
+        self.seq = seq = launched.seq = self.seq + 1
+        header = self._encode(body, seq, self.acked)
+        launched.alone, launched.message = True, (header, list(frames))
+        launched.nbytes = len(header) + sum(memoryview(f).nbytes for f in frames)
+        self._enter(launched)
+        launched.sent_at = time.perf_counter()
+        try:
+            message = self._exchange(header, frames)
+        except errors.RemoteError as exc:
+            if getattr(exc, "timed_out", False):  # as _settle_one: the worker did not answer in time
+                self._lose(list(self.inflight), exc)
+            elif isinstance(exc, errors.TransportError) and getattr(exc, "dropped", False):
+                self._recover()  # as launch: a new connection, and this request sent again
+            else:  # as launch: no connection could be opened, and nothing else is in flight
+                self.inflight.pop()
+                self._leave(launched)
+                raise
+            return self.wait(launched)
+        self.blocking_reads += 1
+        self.inflight.popleft()
+        self._take(launched, message)
+        if self.unreported:
+            self.raise_effects(before=seq)
 
     def _enter(self, launched: Launched) -> None:
         self.inflight.append(launched)

@@ -81,7 +81,8 @@ MAX_RUN_ARGS = 1 << 16  # arguments a Run may stand for, runs expanded
 
 def expand(args: list) -> list:
     """A ``Run``'s arguments with each run of handles or slots written out (at most ``MAX_RUN_ARGS``)."""
-    if not any(type(a) is HandlesArg or type(a) is SlotsArg for a in args):
+    kinds = set(map(type, args))
+    if HandlesArg not in kinds and SlotsArg not in kinds:
         return args
     out = []
     for a in args:
@@ -102,6 +103,9 @@ def expand(args: list) -> list:
 def compact(args: list, least: int = 3) -> list:
     """``args`` with each run of at least ``least`` handles of consecutive ids at consecutive
     positions written as one :class:`HandlesArg`, and each run of slots as one :class:`SlotsArg`."""
+    kinds = set(map(type, args))
+    if HandleArg not in kinds and SlotArg not in kinds:
+        return args  # (most runs: nothing to compact)
     out, i, n = [], 0, len(args)
     while i < n:
         a = args[i]

@@ -44,24 +44,24 @@ class Holding:
     """The connections whose replies are held in the kernel now (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._corked: dict[int, float] = {}  # connection -> since when its replies are held
+        self.corked: dict[int, float] = {}  # connection -> since when its replies are held (the listener reads it)
 
     def before(self, channel: FramedChannel, cid: int, quiet: bool) -> bool:
         """Before a reply is written: whether to hold it (and the socket is corked if so)."""
         if not (quiet and more_here(channel)):
             return False
-        since = self._corked.get(cid)
+        since = self.corked.get(cid)
         if since is None:
             channel.sock.setsockopt(socket.IPPROTO_TCP, _CORK, 1)
-            self._corked[cid] = time.monotonic()
+            self.corked[cid] = time.monotonic()
             return True
         return time.monotonic() - since < HOLD_MAX_S  # (held long enough: this one takes them out)
 
     def after(self, channel: FramedChannel, cid: int, hold: bool, written: bool) -> None:
         """After it was written (all of it, or not: the peer is slow to read): out with what was held."""
-        if cid in self._corked and not (hold and written):
-            del self._corked[cid]
+        if cid in self.corked and not (hold and written):
+            del self.corked[cid]
             channel.sock.setsockopt(socket.IPPROTO_TCP, _CORK, 0)
 
     def forget(self, cid: int) -> None:
-        self._corked.pop(cid, None)
+        self.corked.pop(cid, None)

@@ -326,11 +326,13 @@ class TcpServer:
                 if channel.sock.gettimeout() != 0.0:  # TLS: written with the socket's timeout
                     channel.send(reply, reply_frames)
                 else:
-                    hold = self._holding.before(channel, cid, quiet)
+                    holding = self._holding
+                    hold = quiet and holding.before(channel, cid, quiet)
                     channel.queue(reply, reply_frames)
                     del reply_frames
                     done = channel.flush()
-                    self._holding.after(channel, cid, hold, done)
+                    if holding.corked:  # (none held: nothing to let out)
+                        holding.after(channel, cid, hold, done)
                     if not done:  # the peer is not reading: serve others meanwhile
                         self._stalled[cid] = time.monotonic() + self._message_timeout
                         sel.modify(channel.sock, selectors.EVENT_WRITE, cid)

@@ -36,22 +36,24 @@ class Activity:
         counts = self.tenants[tenant]
         counts[0] += 1
         self.requests += 1
-        kind = type(body).__struct_config__.tag if body is not None else "malformed"
         if error is not None:
             counts[1] += 1
             self.errors += 1
+            kind = type(body).__struct_config__.tag if body is not None else "malformed"
             self.recent.append(m.ErrorStats(round(time.monotonic() - self.started, 3), tenant, kind, error.kind,
                                             error.message[:300]))
-        if run is not None and isinstance(body, m.Run):
-            key = (body.graph_id[:12], run[0])
+        if run is not None and type(body) is m.Run:
+            engine, ms = run
+            key = (body.graph_id[:12], engine)
             entry = self.graphs.get(key)
             if entry is None:
                 if len(self.graphs) >= MAX_GRAPHS:
                     del self.graphs[min(self.graphs, key=lambda k: self.graphs[k][1])]
                 entry = self.graphs[key] = [tenant, 0, 0.0, 0.0]
             entry[1] += 1
-            entry[2] += run[1]
-            entry[3] = max(entry[3], run[1])
+            entry[2] += ms
+            if ms > entry[3]:
+                entry[3] = ms
 
     def reply(self, service) -> m.StatsReply:
         worker = service.worker

@@ -59,11 +59,6 @@ class OutputPlan:
         return cls(req.saved_from, req.handle_base, tuple(req.keep), req.keep_min_bytes,
                    tuple(req.grads), tuple(req.send), tuple(req.strides), frozenset(req.echo), req.brief)
 
-    @property
-    def inline(self) -> bool:
-        """Every output goes back inline (the common inference call, with nothing kept)."""
-        return self.saved_from < 0 and not (self.keep or self.grads or self.send)
-
 
 @dataclass(frozen=True, slots=True)
 class Echo:

@@ -17,7 +17,7 @@ with an error saying so (it ran; its result is lost), never run again.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable, Hashable
 
 from ..errors import WorkerError
@@ -29,13 +29,12 @@ Reply = tuple[bytes, list]
 
 
 class _Stream:
-    __slots__ = ("last", "replies", "nbytes", "forgotten")
+    __slots__ = ("last", "replies", "nbytes")
 
     def __init__(self) -> None:
         self.last = 0  # the last sequence number run
-        self.replies: OrderedDict[int, tuple[Reply, int]] = OrderedDict()  # seq -> (reply, bytes)
+        self.replies: deque[tuple[int, Reply, int]] = deque()  # (seq, reply, bytes), oldest first
         self.nbytes = 0
-        self.forgotten = 0  # replies up to this seq were dropped unacknowledged (over the bounds)
 
 
 class Replays:
@@ -55,22 +54,18 @@ class Replays:
         stream = self._streams.get(session)
         if stream is None:
             return
-        while stream.replies:
-            first = next(iter(stream.replies))
-            if first > ack:
-                break
-            _, nbytes = stream.replies.pop(first)
-            stream.nbytes -= nbytes
+        replies = stream.replies
+        while replies and replies[0][0] <= ack:
+            stream.nbytes -= replies.popleft()[2]
 
     def answered(self, session: Hashable, seq: int) -> Reply | None:
         """The reply to give for request ``seq`` if it ran already, else None (run it, then :meth:`ran`)."""
         stream = self._streams.get(session)
-        last = stream.last if stream is not None else 0
-        if seq > last:  # new (numbers in between were refused before the service saw them: too large)
-            return None
-        kept = stream.replies.get(seq) if stream is not None else None
-        if kept is not None:
-            return kept[0]
+        if stream is None or seq > stream.last:  # new (numbers in between were refused before the
+            return None  # service saw them: too large)
+        for kept_seq, reply, _ in stream.replies:
+            if kept_seq == seq:
+                return reply
         return self._error_reply(WorkerError(
             f"request {seq} was sent again after a dropped connection: it ran already, and its reply "
             "could not be kept for so long (the client read no reply for too long)")), []
@@ -81,13 +76,13 @@ class Replays:
         if stream is None:
             stream = self._streams[session] = _Stream()
         stream.last = seq
-        nbytes = len(reply[0]) + sum(memoryview(f).nbytes for f in reply[1])
-        stream.replies[seq] = (reply, nbytes)
+        header, frames = reply
+        nbytes = len(header) + (sum(memoryview(f).nbytes for f in frames) if frames else 0)
+        replies = stream.replies
+        replies.append((seq, reply, nbytes))
         stream.nbytes += nbytes
-        while stream.replies and (len(stream.replies) > MAX_REPLIES or stream.nbytes > MAX_BYTES):
-            old, (_, n) = stream.replies.popitem(last=False)
-            stream.nbytes -= n
-            stream.forgotten = old
+        while len(replies) > MAX_REPLIES or stream.nbytes > MAX_BYTES:
+            stream.nbytes -= replies.popleft()[2]
 
     def forget(self, session: Hashable) -> None:
         """The session ended: its stream with it."""

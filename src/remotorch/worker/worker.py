@@ -64,7 +64,7 @@ def resolve_device(spec: str = "auto") -> torch.device:
     return device
 
 
-@dataclass(frozen=True)
+@dataclass
 class Ran:
     """One graph run: its outputs (after :func:`~remotorch.worker.outputs.dispose`: wire arguments
     for those not sent inline), the worker's milliseconds, whether it compiled, the inputs it took."""
@@ -76,7 +76,7 @@ class Ran:
     rng: list | None = None  # a random graph: what changed in the session's generator state
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Prepared:
     fn: Callable
     values: list
@@ -331,7 +331,7 @@ class Worker:
         fails). The outputs of the result follow :mod:`remotorch.worker.outputs`.
         ``send`` delivers outputs to another worker.
         """
-        plan = OutputPlan.of(req)
+        plan = None if req.saved_from < 0 and not (req.keep or req.grads or req.send) else OutputPlan.of(req)
         grads = grad_slots(self, session, req.grads) if req.grads else {}
         prep = self._prepare(session, req.graph_id, req.engine, req.args, frames, req.bind, req.bound)
         if req.keep_inputs:
@@ -344,7 +344,7 @@ class Worker:
         else:
             out, ms = self._guarded(req.engine, lambda: timed_call(prep.fn, prep.values, self.device))
         outs = _as_list(out)
-        if not plan.inline:
+        if plan is not None:  # (None: every output goes back inline, the common inference call)
             outs = dispose(self, session, plan, outs, prep.values, grads, send)
         return Ran(outs, ms, prep.compiled, prep.values, rng)
 
