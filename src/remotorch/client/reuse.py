@@ -137,14 +137,15 @@ def call_scope():
     referenced by the next graphs of the same call (see ``client.reuse``).
     """
     f = sys._getframe(1)
-    known = _USER_CODE
+    known = _USER_CODE.get
     while f is not None:
-        code = f.f_code
-        user = known.get(code)
-        if user is None:
-            user = known[code] = (not code.co_filename.startswith(_SKIPPED_DIRS)
-                                  and not code.co_name.startswith(_RESUME))
+        user = known(f.f_code)
         if user:
             return f
+        if user is None:
+            code = f.f_code
+            if _USER_CODE.setdefault(code, not code.co_filename.startswith(_SKIPPED_DIRS)
+                                     and not code.co_name.startswith(_RESUME)):
+                return f
         f = f.f_back
     return None

@@ -124,16 +124,6 @@ def contiguous_strides(shape) -> list[int]:
 _LIMIT = 1 << 62
 
 
-def _row_major(shape, strides) -> bool:
-    """Whether the strides are exactly the contiguous ones of the shape (no size is 0)."""
-    expected = 1
-    for i in range(len(shape) - 1, -1, -1):
-        if strides[i] != expected:
-            return False
-        expected *= shape[i]
-    return True
-
-
 def tensor_from_wire(meta: TensorMeta, buf) -> torch.Tensor:
     """View a received buffer (bytes, memoryview or uint8 ndarray) as the described tensor.
 
@@ -144,15 +134,18 @@ def tensor_from_wire(meta: TensorMeta, buf) -> torch.Tensor:
     shape, strides = meta.shape, meta.strides
     if len(shape) != len(strides) or len(shape) > 64:
         raise ValueError("tensor meta: shape and strides disagree")
-    numel, span = 1, 1
-    for n, st in zip(shape, strides):
+    numel = span = extent = expected = 1
+    row_major = True  # the strides are exactly the contiguous ones of the shape
+    for i in range(len(shape) - 1, -1, -1):  # (one pass: this runs for every tensor received)
+        n, st = shape[i], strides[i]
         if type(n) is not int or type(st) is not int or not 0 <= n < _LIMIT or not 0 <= st < _LIMIT:
             raise ValueError("tensor meta: size or stride out of range")
         numel *= n
         span += (n - 1) * st
-    extent = 1
-    for n in shape:
-        extent *= max(n, 1)
+        extent *= n or 1
+        if st != expected:
+            row_major = False
+        expected *= n
     if extent >= _LIMIT:  # torch refuses such sizes even for an empty tensor
         raise ValueError("tensor meta: sizes multiply out of range")
     if numel == 0:
@@ -161,7 +154,7 @@ def tensor_from_wire(meta: TensorMeta, buf) -> torch.Tensor:
     if span * _ITEMSIZE[dtype] != arr.nbytes:
         raise ValueError(f"tensor meta: layout needs {span * _ITEMSIZE[dtype]} bytes, frame has {arr.nbytes}")
     np_dtype = _NUMPY_DTYPE.get(dtype)
-    if np_dtype is not None and arr.flags.writeable and _row_major(shape, strides):
+    if np_dtype is not None and row_major and arr.flags.writeable:
         # the common case, several times cheaper: numpy views the frame with the layout, and the
         # tensor over it is a base of its own (no autograd view), as the general path's detach makes it
         return torch.from_numpy(arr.view(np_dtype).reshape(shape))
