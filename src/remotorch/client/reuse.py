@@ -47,12 +47,18 @@ class InputReuse:
         self._sending: dict[int, tuple] = {}  # this request's additions, committed when it succeeds
         self.keep_inputs: list[list[int]] = []  # this request's [argument index, handle id] pairs
         self._returned: dict[int, tuple] = {}  # id(output) -> (output ref, graph policy, output index)
+        self._free: dict[tuple, tuple[int, ...]] = {}  # (resident positions, argument count) -> the others
 
     def begin(self, args: Sequence, resident: frozenset[int] = frozenset()) -> bool:
         """Before a call's request: whether its large inputs take part (a new call releases the last
         one's). Arguments at ``resident`` indices (weights: sent by content id) never do."""
-        big = any(i not in resident and type(a) is not RemoteTensor and isinstance(a, torch.Tensor)
-                  and a.nbytes >= self.min_bytes for i, a in enumerate(args))
+        key = (resident, len(args))
+        free = self._free.get(key)
+        if free is None:  # the non-resident positions, once per graph (a model passes many weights)
+            free = self._free[key] = tuple(i for i in range(len(args)) if i not in resident)
+        least = self.min_bytes
+        big = any(type(a) is not RemoteTensor and isinstance(a, torch.Tensor) and a.nbytes >= least
+                  for a in map(args.__getitem__, free))
         if not big and not self._sent:
             return False
         scope = call_scope()

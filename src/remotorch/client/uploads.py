@@ -37,6 +37,9 @@ from .remote import RemoteTensor
 from .stats import Counters
 
 
+_deref = weakref.ref.__call__
+
+
 class Resident:
     """A graph's resident arguments at its last call, and the argument binding the worker keeps of them."""
 
@@ -55,8 +58,8 @@ class Resident:
 
     def same(self, args: Sequence) -> bool:
         """The same tensors with the same local values (:func:`~remotorch.client.ids.stamp`) as when it was made."""
-        live = [r() for r in self.refs]
-        return all(map(operator.is_, live, [args[i] for i in self.positions])) and \
+        live = list(map(_deref, self.refs))  # (maps: no Python loop per weight, and a model has many)
+        return all(map(operator.is_, live, map(args.__getitem__, self.positions))) and \
             tuple(map(stamp, live)) == self.stamps
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
+from itertools import compress
 from typing import Protocol
 
 import torch
@@ -31,6 +32,8 @@ from ..codec.tensors import dtype_name
 from .placeholders import fill, placeholder
 from .remote import REMOTE, RemoteTensor, Tensor, arg_of, plain, remote_ref
 from .graph import Graph
+
+_IS_REMOTE = REMOTE.__contains__
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +80,7 @@ def import_values(conn: Connection, args: Sequence) -> None:
     connection's lock: each transfer takes the two connections' locks one
     after the other, never together.
     """
-    for t in args:
-        if type(t) not in REMOTE:
-            continue
+    for t in compress(args, map(_IS_REMOTE, map(type, args))):  # (the placeholders, filtered in C)
         ref = remote_ref(t)
         if ref is not None and not ref.handle:  # its call's reply brings it here: nothing to move
             continue
