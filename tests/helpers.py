@@ -20,6 +20,16 @@ REPO = Path(__file__).resolve().parent.parent  # the repository's root (this fil
 NEEDS_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
+class Clock:
+    """A clock the test moves by hand (``clock.now += 0.5``): time-dependent rules become exact."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def tiny_mlp(*sizes: int, act: type[torch.nn.Module] = torch.nn.ReLU, seed: int = 0) -> torch.nn.Sequential:
     """``Linear`` layers through ``sizes`` (``act`` between them), initialised after ``torch.manual_seed(seed)``."""
     torch.manual_seed(seed)

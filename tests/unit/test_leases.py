@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import Clock
 from remotorch.worker.leases import SESSION_ID, LeaseTable
 from remotorch.worker.store import SharedStore
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

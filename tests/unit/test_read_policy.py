@@ -5,15 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import Clock
 from remotorch.client import policy as policies
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
