@@ -150,7 +150,7 @@ class Stream:
     def __init__(self, *, post, collect, ready, reconnect, encode, parse, exchange=None,
                  limits: QueueLimits | None = None, blocking: bool = False) -> None:
         self._post, self._collect, self._ready = post, collect, ready
-        self._exchange = exchange  # post and collect in one, while nothing else is in flight (see request)
+        self._exchange = exchange  # post and collect in one, while nothing else is in flight (launch_and_wait)
         self._reconnect, self._encode, self._parse = reconnect, encode, parse
         self.limits = limits or QueueLimits()
         self.blocking = blocking
