@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import remotorch
 from remotorch import errors
+from remotorch.codec import messages as m
 from remotorch.devtools.netem import DelayProxy
 from remotorch.optim import RemoteOptimizer
 
@@ -296,6 +297,42 @@ def test_a_link_cut_mid_queue_applies_no_step_twice_and_loses_none(relay, sessio
     assert got == pytest.approx(want, rel=1e-5)  # step by step: none lost, none applied twice
     s.pull(model)
     torch.testing.assert_close(dict(model.named_parameters()), dict(reference.named_parameters()))
+
+
+def test_a_call_read_at_once_whose_link_is_cut_in_flight_runs_once(start_server, session_for, monkeypatch):
+    """A warm call read at once with nothing else in flight is one exchange on the transport; the link
+    is cut while its reply is on the way back: the client reconnects and sends it again, and the
+    worker answers from its memory instead of running it twice."""
+    import threading
+
+    from remotorch.client import stream
+    monkeypatch.setattr(stream, "PROMPT_S", 60.0)  # "at once" by order alone, not by time
+    srv = start_server(name="cut-once")
+    with DelayProxy(srv.url, delay_ms=100) as far:
+        s = session_for(far.url)
+        model = tiny_mlp(24, 40, 3, seed=5).eval()
+        f = remotorch.compile(model, session=s, fallback="raise")
+        x = torch.randn(4, 24)
+
+        def runs() -> int:
+            reply, _ = s.connection.request(m.Stats(), expect=m.StatsReply)
+            return sum(g.runs for g in reply.slowest)
+
+        with torch.no_grad():
+            for _ in range(5):  # the 1st compiles; the 2nd and 3rd teach it "read at once"; the 4th
+                f(x).sum().item()  # waits, the 5th is a probe; the next four wait
+            ran = runs()
+            before = s.stats()
+            lost: list[int] = []
+            cutter = threading.Timer(0.15, lambda: lost.append(far.cut()))  # the reply is in the relay
+            cutter.start()
+            out = f(x)  # the 6th: waits
+            cutter.join()
+        torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+        assert lost and lost[0] > 0, lost  # the cut caught it on its way
+        d = delta(s, before)
+        assert d["requests_queued"] == 0 and d["blocking_reads"] == 1, d
+        assert runs() == ran + 1  # run once, answered twice at most
 
 
 def test_a_worker_that_dies_mid_queue_is_raised_at_the_next_read_naming_what_was_lost(start_server, session_for):
