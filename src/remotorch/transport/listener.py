@@ -73,8 +73,9 @@ class TcpServer:
                  ticket_handler: TicketHandler | None = None, tenants=None,
                  on_connect: Callable[[int, bytes | None], None] | None = None,
                  between: Callable[[], None] | None = None,
-                 quiet: Callable[[], bool] | None = None) -> None:
+                 quiet: Callable[[], bool] | None = None, after: Callable[[], None] | None = None) -> None:
         self._handler = handler
+        self._after = after  # run once each reply is written (or its connection dropped): off the round trip
         self._quiet = quiet  # the reply just made only acknowledges its request (it may be held)
         self._tenants = tenants  # token hashes by key id, and the plain token (worker.tenants.Tenants)
         self._on_connect = on_connect  # (connection id, the key id its hello named) once authenticated
@@ -323,8 +324,11 @@ class TcpServer:
                     reply, reply_frames = self._handler(cid, header, frames)
                 quiet = header is not None and self._quiet is not None and self._quiet()  # (a refusal: never)
                 del header, frames
+                after = self._after
                 if channel.sock.gettimeout() != 0.0:  # TLS: written with the socket's timeout
                     channel.send(reply, reply_frames)
+                    if after is not None:
+                        after()
                 else:
                     holding = self._holding
                     hold = quiet and holding.before(channel, cid, quiet)
@@ -333,6 +337,8 @@ class TcpServer:
                     done = channel.flush()
                     if holding.corked:  # (none held: nothing to let out)
                         holding.after(channel, cid, hold, done)
+                    if after is not None:
+                        after()
                     if not done:  # the peer is not reading: serve others meanwhile
                         self._stalled[cid] = time.monotonic() + self._message_timeout
                         sel.modify(channel.sock, selectors.EVENT_WRITE, cid)
@@ -348,6 +354,8 @@ class TcpServer:
         self._drop(sel, cid)
 
     def _drop(self, sel: selectors.BaseSelector, cid: int) -> None:
+        if self._after is not None:  # (a reply not written: what follows its request still does)
+            self._after()
         self._stalled.pop(cid, None)
         self._holding.forget(cid)
         channel = self._channels.pop(cid)

@@ -41,6 +41,7 @@ class WorkerServer:
         self.metrics = Metrics(self.service) if metrics is not None else None
         self._log_requests = REQUESTS.isEnabledFor(logging.INFO)  # (--log-format json)
         handler = self._observed
+        self._unsettled: tuple | None = None  # the request just served, until _settle
         self._tcp = TcpServer(handler, host, port, token, protocol=m.PROTOCOL_VERSION,
                               max_frame=max_frame_bytes, on_disconnect=self.service.disconnected,
                               max_header=min(64 << 20, max_message_bytes or 64 << 20),
@@ -50,7 +51,8 @@ class WorkerServer:
                               limit_error=lambda msg: m.encode(m.ErrorReply(LimitExceededError.kind, msg)),
                               tickets=self.service.tickets.secret, ticket_handler=self.service.deliver,
                               tenants=tenants, on_connect=None if tenancy is None else tenancy.connected,
-                              between=self._between, quiet=lambda: self.service.last_quiet)
+                              between=self._between, quiet=lambda: self.service.last_quiet,
+                              after=self._settle)
         self.service.close_connection = self._tcp.close_connection
         self.metrics_address = self.metrics.serve(*metrics) if self.metrics is not None else None
         self.address = self._tcp.address
@@ -76,28 +78,43 @@ class WorkerServer:
                 self.metrics.close()
 
     def _observed(self, cid: int, header: bytes, frames: list):
-        """The service's handler, counted for the operator (Stats), in the metrics and logged
-        (``--log-format json``)."""
+        """The service's handler; the request is counted for the operator (Stats), in the metrics
+        and logged (``--log-format json``) by :meth:`_settle`, once its reply is written."""
+        if self._unsettled is not None:
+            self._settle()
         started = time.perf_counter()
         reply = self.service.handle(cid, header, frames)
         service = self.service
+        if self.metrics is None and not self._log_requests:
+            self._unsettled = (cid, service.last_body, service.last_run, reply, 0, 0.0)
+        else:
+            self._unsettled = (cid, service.last_body, service.last_run, reply,
+                               len(header) + sum(memoryview(f).nbytes for f in frames),
+                               (time.perf_counter() - started) * 1e3)
+        return reply
+
+    def _settle(self) -> None:
+        """What follows a request, off its round trip: the serving loop calls this once the reply is
+        written (or its connection dropped), and the next request first."""
+        service = self.service
+        service.replays.settle()
+        unsettled, self._unsettled = self._unsettled, None
+        if unsettled is None:
+            return
+        cid, body, run, reply, nbytes_in, ms = unsettled
         error = error_of(reply[0])
-        kind = error.kind if error is not None else None
         tenancy = service.tenancy
         tenant = tenancy.name(cid) if tenancy is not None else ""
-        service.activity.record(tenant, service.last_body, error, service.last_run)
+        service.activity.record(tenant, body, error, run)
         if self.metrics is None and not self._log_requests:
-            return reply
-        nbytes_in = len(header) + sum(memoryview(f).nbytes for f in frames)
+            return
+        kind = error.kind if error is not None else None
         nbytes_out = len(reply[0]) + sum(memoryview(f).nbytes for f in reply[1])
         if self.metrics is not None:
-            self.metrics.observe(cid, service.last_body, kind, nbytes_in, nbytes_out, service.last_run)
+            self.metrics.observe(cid, body, kind, nbytes_in, nbytes_out, run)
         if self._log_requests:
-            log_request(tenant, service.leases.key(cid),
-                        request_type(service.last_body) if service.last_body is not None else "malformed",
-                        (time.perf_counter() - started) * 1e3, kind or "ok", nbytes_in, nbytes_out,
-                        service.last_run)
-        return reply
+            log_request(tenant, service.leases.key(cid), request_type(body) if body is not None else "malformed",
+                        ms, kind or "ok", nbytes_in, nbytes_out, run)
 
     def reload_tokens(self) -> None:
         """Read the tokens file again, between requests (safe in a signal handler: SIGHUP)."""

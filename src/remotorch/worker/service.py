@@ -157,12 +157,13 @@ class Service:
             if env.ack:
                 self.replays.acknowledge(self.leases.key(cid), env.ack)
             return self._serve(cid, env, frames)
-        session = self.leases.key(cid)
-        self.replays.acknowledge(session, env.ack)
-        reply = self.replays.answered(session, env.seq)  # sent again after a reconnect: it ran already
+        session, replays = self.leases.key(cid), self.replays
+        reply = replays.answered(session, env.seq)  # sent again after a reconnect: it ran already
         if reply is None:
             reply = self._serve(cid, env, frames)
-            self.replays.ran(session, env.seq, reply)
+            replays.ran(session, env.seq, reply, env.ack)  # (the acknowledged replies forgotten after)
+        else:
+            replays.acknowledge(session, env.ack)
         self.last_quiet = self.last_quiet or reply[0] is _OK
         return reply
 
