@@ -10,6 +10,7 @@ deterministic, never time: the round trips the code waited for
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -103,6 +104,36 @@ def test_a_training_step_that_reads_its_loss_waits_once_and_one_that_reads_nothi
     wan.pull(model)  # (AdamW: a tiny gradient's sign decides a whole step, hence the conformance suite's 1e-4)
     torch.testing.assert_close(dict(model.named_parameters()), dict(reference.named_parameters()),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_a_long_training_run_still_sends_its_inputs_and_about_1_kib_a_step(wan):
+    """Each step keeps dozens of activations as new handles, and ids are never reused: after a
+    few thousand steps they pass 2**16, where msgpack spends 5 bytes on each, not 3; after some
+    13,000 steps (5 requests each) so do the requests' sequence numbers. Both counters are moved
+    there at once (the client's own: what those steps would have left)."""
+    model = tiny_gpt2()
+    f = remotorch.compile(model, session=wan, fallback="raise")
+    opt = RemoteOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3, session=wan)
+
+    def step(b) -> float:
+        loss = f(b, labels=b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    for i in range(2):
+        step(batch(i))
+    wan.synchronize()  # (nothing in flight while the numbers jump)
+    wan.connection.handles.reserve(1 << 17)
+    wan.connection.link.stream.seq += 1 << 17
+    for i in range(2, 4):  # the first steps past the jump release the handles made below it
+        step(batch(i))
+    before = wan.stats()
+    losses = [step(batch(i)) for i in range(4, 8)]
+    d = delta(wan, before)
+    assert d["blocking_reads"] == 4 and all(math.isfinite(x) for x in losses)
+    assert d["bytes_sent"] / 4 <= 2 * batch(0).nbytes + 1024, d
 
 
 def test_state_dict_after_queued_steps_waits_once_and_holds_the_stepped_values(wan):

@@ -25,7 +25,7 @@ from .training import (AccumulateGrads, BindSlots, ClipGradNorm, Hyper, NormRepl
                        PullSlots)
 from .values import Deliver, ExpectHandles, Fetch, FetchReply, SendHandles, TicketReply
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAX_BINDINGS = 4096  # argument bindings a session may hold on a worker (Run.bind, §8.1)
 SHORT_GRAPH_ID = 16  # hex digits of a graph id that name it in a Run once the session ran it
 
@@ -91,8 +91,9 @@ class Run(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
     * Tensor outputs listed in ``keep`` stay there as the next handle ids, in
       ``keep`` order, answered as ``KeptArg`` (the worker may send one inline
       instead: smaller than ``keep_min_bytes``, or over the session's quota).
-    * ``grads`` pairs ``[output index, slot id]``: that output is accumulated
-      into the slot's gradient (answered as a nil scalar).
+    * ``grad_slots``: output ``grads_from + k`` is accumulated into the
+      gradient of slot ``grad_slots[k]`` (answered as a nil scalar); -1: that
+      output is not (see :func:`grad_fields`).
     * ``send``: outputs delivered worker to worker before the reply (nil here).
     * Everything else is sent back inline.
 
@@ -127,7 +128,8 @@ class Run(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
     keep_min_bytes: int = 0
     keep_inputs: list[list[int]] = []  # [argument index, handle id]: keep these inputs as handles too
     saved_from: int = -1
-    grads: list[list[int]] = []
+    grads_from: int = 0
+    grad_slots: list[int] = []
     send: list[SendOutputs] = []
     bind: int = 0
     bound: int = 0
@@ -135,6 +137,18 @@ class Run(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
     echo: list[int] = []
     brief: bool = False
     rng: bytes = b""
+
+
+def grad_fields(pairs) -> dict:
+    """``Run``'s fields for the gradients ``pairs`` (``[output index, slot id]``) leave in slots:
+    one slot id per output from the first (-1 between), a byte or two each on the wire."""
+    if not pairs:
+        return {}
+    first = min(i for i, _ in pairs)
+    slots = [-1] * (max(i for i, _ in pairs) - first + 1)
+    for i, sid in pairs:
+        slots[i - first] = sid
+    return dict(grads_from=first, grad_slots=slots)
 
 
 class Echo(msgspec.Struct, frozen=True, tag="echo", omit_defaults=True):

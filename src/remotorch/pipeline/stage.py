@@ -161,7 +161,7 @@ class StageRunner:
             grads = [[pos, self.client.slots.lookup(g.tensors[pos]).sid] for pos in g.params
                      if self.has_grad(pos)]
             base = self.client.handles.reserve(len(keep)) if keep else 0
-        fields = dict(handle_base=base, grads=grads, keep=keep, send=[_send(d) for d in sends])
+        fields = dict(handle_base=base, **m.grad_fields(grads), keep=keep, send=[_send(d) for d in sends])
         kept = self._kept(base, keep)
         self._run(self.backward_graph, values, placed, fields, len(g.inputs),
                   lambda outs, _frames: (self._check_kept(outs, kept), answered(None)))

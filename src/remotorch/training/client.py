@@ -207,7 +207,8 @@ class TrainingClient:
         plan = Plan(conn, graph, layout, unread, echo=echo, saved=lambda hid: activation(self.handles, hid, call),
                     grads=[i for i, _ in grads])
         saved_from = graph.saved_from if graph.saved_from is not None else -1
-        return launch(conn, graph, args, plan, fields=dict(saved_from=saved_from, grads=grads), placed=placed)
+        return launch(conn, graph, args, plan, fields=dict(saved_from=saved_from, **m.grad_fields(grads)),
+                      placed=placed)
 
     def _place(self, graph: Graph, args: Sequence, call: ForwardCall) -> list:
         """The arguments this client places: saved activations by handle, trainable parameters by
@@ -250,7 +251,7 @@ class TrainingClient:
         into_slots = {i for i, _ in grads}
         keep = [i for i in self._keep(graph) if i not in into_slots]
         base = self.handles.reserve(n_saved + len(keep)) if n_saved or keep else 0
-        return dict(saved_from=saved_from, handle_base=base, grads=grads, keep=keep,
+        return dict(saved_from=saved_from, handle_base=base, **m.grad_fields(grads), keep=keep,
                     keep_min_bytes=self.keep_min_bytes)
 
     def _keep(self, graph: Graph) -> list[int]:

@@ -48,7 +48,6 @@ class OutputPlan:
     handle_base: int = 0
     keep: tuple = ()
     keep_min_bytes: int = 0
-    grads: tuple = ()  # ([output index, slot id], ...)
     send: tuple = ()  # (m.SendOutputs, ...)
     strides: tuple = ()  # the strides promised for each kept output (a run sent without waiting)
     echo: frozenset = frozenset()  # kept outputs also sent back inline
@@ -57,7 +56,7 @@ class OutputPlan:
     @classmethod
     def of(cls, req: m.Run) -> OutputPlan:
         return cls(req.saved_from, req.handle_base, tuple(req.keep), req.keep_min_bytes,
-                   tuple(req.grads), tuple(req.send), tuple(req.strides), frozenset(req.echo), req.brief)
+                   tuple(req.send), tuple(req.strides), frozenset(req.echo), req.brief)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,14 +67,16 @@ class Echo:
     tensor: torch.Tensor
 
 
-def grad_slots(worker: Stores, session: object, pairs) -> dict[int, int]:
-    """Output index -> slot id, checked before the graph runs (a missing slot fails first)."""
-    grads = {}
-    for pair in pairs:
-        if len(pair) != 2:
-            raise InvalidRequestError("grads must be [output index, slot id] pairs")
-        worker.trainables.slot(session, pair[1])
-        grads[pair[0]] = pair[1]
+def grad_slots(worker: Stores, session: object, req: m.Run) -> dict[int, int]:
+    """Output index -> slot id (``Run.grads_from``, ``grad_slots``), checked before the graph runs
+    (a missing slot fails first)."""
+    grads, first = {}, req.grads_from
+    if first < 0:
+        raise InvalidRequestError("grads_from is an output index: never negative")
+    for k, sid in enumerate(req.grad_slots):
+        if sid != -1:
+            worker.trainables.slot(session, sid)
+            grads[first + k] = sid
     return grads
 
 

@@ -331,8 +331,8 @@ class Worker:
         fails). The outputs of the result follow :mod:`remotorch.worker.outputs`.
         ``send`` delivers outputs to another worker.
         """
-        plan = None if req.saved_from < 0 and not (req.keep or req.grads or req.send) else OutputPlan.of(req)
-        grads = grad_slots(self, session, req.grads) if req.grads else {}
+        plan = None if req.saved_from < 0 and not (req.keep or req.grad_slots or req.send) else OutputPlan.of(req)
+        grads = grad_slots(self, session, req) if req.grad_slots else {}
         prep = self._prepare(session, req.graph_id, req.engine, req.args, frames, req.bind, req.bound)
         if req.keep_inputs:
             self._keep_inputs(session, req.keep_inputs, prep.values)
