@@ -60,6 +60,15 @@ def batch(seed: int) -> torch.Tensor:
     return torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(seed))
 
 
+def train_step(f, opt, b: torch.Tensor, read: bool = True):
+    """The issue's training step: its loss read (``.item()``) or left unread (the tensor)."""
+    loss = f(b, labels=b).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item() if read else loss
+
+
 def delta(session, before: dict) -> dict:
     now = session.stats()
     return {k: now[k] - before[k] for k in ("blocking_reads", "requests_queued", "bytes_sent", "bytes_received",
@@ -75,11 +84,7 @@ def test_a_training_step_that_reads_its_loss_waits_once_and_one_that_reads_nothi
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
 
     def step(b, read: bool):
-        loss = f(b, labels=b).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.item() if read else loss
+        return train_step(f, opt, b, read)
 
     def reference_step(b) -> float:
         ref_loss = reference(b, labels=b).loss
@@ -115,22 +120,15 @@ def test_a_long_training_run_still_sends_its_inputs_and_about_1_kib_a_step(wan):
     f = remotorch.compile(model, session=wan, fallback="raise")
     opt = RemoteOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3, session=wan)
 
-    def step(b) -> float:
-        loss = f(b, labels=b).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.item()
-
     for i in range(2):
-        step(batch(i))
+        train_step(f, opt, batch(i))
     wan.synchronize()  # (nothing in flight while the numbers jump)
     wan.connection.handles.reserve(1 << 17)
     wan.connection.link.stream.seq += 1 << 17
     for i in range(2, 4):  # the first steps past the jump release the handles made below it
-        step(batch(i))
+        train_step(f, opt, batch(i))
     before = wan.stats()
-    losses = [step(batch(i)) for i in range(4, 8)]
+    losses = [train_step(f, opt, batch(i)) for i in range(4, 8)]
     d = delta(wan, before)
     assert d["blocking_reads"] == 4 and all(math.isfinite(x) for x in losses)
     assert d["bytes_sent"] / 4 <= 2 * batch(0).nbytes + 1024, d
