@@ -98,6 +98,25 @@ def test_promised_strides_echo_and_generator_state(session):
     assert_still_serves(session)
 
 
+def test_gradients_into_slots_name_outputs_from_a_first_one_and_slots_the_session_holds(session):
+    gid = uploaded_graph(session)
+    transport = session.connection.transport  # the session's own connection holds the graph
+    session.synchronize()
+    meta, buf = remotorch.codec.tensors.tensor_to_wire(torch.randn(3), 0)
+    args = [m.TensorArg(meta), m.TensorArg(meta)]
+
+    def run(**fields):
+        return m.decode(transport.request(m.encode(m.Run(gid, "eager", args, **fields)), [buf])[0])
+
+    negative = run(grads_from=-1, grad_slots=[1])
+    assert isinstance(negative, m.ErrorReply) and negative.kind == "invalid", negative
+    missing = run(grad_slots=[123456])  # no such slot: refused before the graph runs
+    assert isinstance(missing, m.ErrorReply) and missing.kind == "missing" and missing.slots == [123456]
+    none = run(grads_from=3, grad_slots=[-1, -1])  # -1: that output is not accumulated
+    assert isinstance(none, m.RunReply) and len(none.outputs) == 1, none
+    assert_still_serves(session)
+
+
 def test_a_random_graph_refuses_a_generator_state_of_the_wrong_size(session):
     f = remotorch.compile(lambda a: torch.nn.functional.dropout(a, 0.5), session=session, fallback="raise")
     f(torch.randn(8)).tolist()
