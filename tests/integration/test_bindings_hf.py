@@ -31,14 +31,14 @@ def ids(seed: int) -> torch.Tensor:
 
 def record_runs(session) -> list:
     """The header of every ``Run`` the session sends from now on, decoded as the worker reads it."""
-    link, sent = session.connection.link, []
-    launch = link.launch  # every request goes out through it, waited for or not
+    stream, sent = session.connection.link.stream, []
+    encode = stream._encode  # every request's header is made by it, waited for or not
 
-    def recording(body, *args, **kwargs):
+    def recording(body, *args):
         if type(body) is m.Run:
             sent.append(m.decode(m.encode(body)))
-        return launch(body, *args, **kwargs)
-    link.launch = recording
+        return encode(body, *args)
+    stream._encode = recording
     return sent
 
 

@@ -39,14 +39,14 @@ def session(service):
 
 def runs(session) -> list[m.Run]:
     """Every ``Run`` the session sends from now on, in order."""
-    link, sent = session.connection.link, []
-    launch = link.launch  # every request goes out through it, waited for or not
+    stream, sent = session.connection.link.stream, []
+    encode = stream._encode  # every request's header is made by it, waited for or not
 
-    def recording(body, *args, **kwargs):
+    def recording(body, *args):
         if type(body) is m.Run:
             sent.append(body)
-        return launch(body, *args, **kwargs)
-    link.launch = recording
+        return encode(body, *args)
+    stream._encode = recording
     return sent
 
 

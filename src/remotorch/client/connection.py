@@ -35,7 +35,8 @@ from . import values
 from .graph import Graph
 from .handles import HandleTable, spans_of
 from .ids import ContentIds
-from .link import Launched, Link, Locate, parse_reply
+from .launched import Launched
+from .link import Link, Locate, parse_reply
 from .stream import QueueLimits
 from .policy import Policies
 from .remote import REMOTE

@@ -36,7 +36,7 @@ from . import origin
 from .graph import Graph
 from .placeholders import fill, placeholder
 from .remote import RemoteGrad, RemoteTensor
-from .stream import Launched
+from .launched import Launched
 
 # saved(handle id) -> the local stand-in of a saved activation (the training client's)
 Saved = Callable[[int], torch.Tensor]

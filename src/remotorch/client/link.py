@@ -26,9 +26,9 @@ from .. import errors
 from ..codec import messages as m
 from ..transport import TcpTransport, Transport
 from ..transport.tls import client_context
-from . import origin, trace
 from .rng import GENERATORS
-from .stream import Launched, QueueLimits, Stream
+from .launched import Launched
+from .stream import QueueLimits, Stream
 
 log = logging.getLogger(__name__)
 
@@ -215,37 +215,48 @@ class Link:
 
         ``expect``: the reply type it must be (else ``ProtocolError``).
         Requests sent before it are answered first (in order). ``progress(n)``
-        hears of the bytes sent (see :meth:`Transport.post`).
+        hears of the bytes sent (see :meth:`Transport.post`). ``what`` names
+        it in errors (by default the request's type).
         """
-        # (its failure is raised here, at the caller's line: the line is taken only for a trace)
-        launched = Launched(what or type(body).__name__, expect=expect, queued=False,
-                            origin=origin.here() if trace.current() is not None else ())
         with self.lock:
-            self.launch(body, frames, launched, progress=progress, pending=pending, wait=True)
-        launched.raise_error()
-        return launched.reply, launched.frames
+            self._ready_to_send()
+            if progress is None and pending is None:
+                got = self.stream.call(body, frames, expect, what)
+            else:
+                self._progress, self._pending = progress, pending
+                try:
+                    got = self.stream.call(body, frames, expect, what)
+                finally:
+                    self._progress = self._pending = None
+            self.last_request = time.monotonic()
+            return got
 
-    def launch(self, body, frames: Sequence, launched: Launched, *, progress: Callable[[int], None] | None = None,
-               pending: m.Pending | None = None, wait: bool = False) -> Launched:
+    def launch(self, body, frames: Sequence, launched: Launched, *,
+               pending: m.Pending | None = None) -> Launched:
         """Send a request without waiting for its reply; ``launched.on_reply(reply, frames)`` runs
         when it is read (in order: by a later wait, or as replies arrive). A failure is kept on
-        ``launched`` and raised where its results are used (see :mod:`remotorch.client.stream`).
-        ``wait``: and read its reply now (a failure is still kept on ``launched``)."""
+        ``launched`` and raised where its results are used (see :mod:`remotorch.client.stream`)."""
+        with self.lock:
+            self._ready_to_send()
+            if pending is None:
+                self.stream.launch(body, frames, launched)
+            else:
+                self._pending = pending  # (taken by this request's header: see _encode)
+                try:
+                    self.stream.launch(body, frames, launched)
+                finally:
+                    self._pending = None
+            self.last_request = time.monotonic()
+            return launched
+
+    def _ready_to_send(self) -> None:
+        """Refuse while a failed worker is not retried; make the transport on first use (naming the
+        stream), or refuse once closed."""
         if time.monotonic() < self._down_until:
             raise errors.WorkerUnavailableError(f"worker {self.url or 'local'} failed moments ago; "
                                                 f"not retrying for {self._retry_after}s")
-        with self.lock:
-            self.transport  # noqa: B018 (created on first use: names the stream)
-            self._progress, self._pending = progress, pending
-            try:
-                if wait:
-                    self.stream.launch_and_wait(body, frames, launched)
-                else:
-                    self.stream.launch(body, frames, launched)
-            finally:
-                self._progress = self._pending = None
-            self.last_request = time.monotonic()
-            return launched
+        if self._transport is None or self._closed:
+            self.transport  # noqa: B018
 
     def _encode(self, body, seq: int, ack: int) -> bytes:
         pending, self._pending = self._pending, None  # (the request's own, once: not a later one's)
@@ -268,7 +279,7 @@ class Link:
     def _exchange(self, header: bytes, frames: Sequence) -> tuple:
         """Post one message and read its reply, nothing else being in flight (``Stream.launch_and_wait``).
         An error that closed the open connection says ``dropped``, as :meth:`_post`'s does."""
-        transport = self.transport
+        transport = self._transport  # (made by _ready_to_send)
         if not transport.connected:  # (a failure to connect is not a dropped connection)
             try:
                 transport.connect()

@@ -49,6 +49,7 @@ from .. import errors
 from . import origin as origins
 from . import trace
 from .depth import StepPipe
+from .launched import Launched, root
 
 log = logging.getLogger(__name__)
 
@@ -72,70 +73,6 @@ class QueueLimits:
     steps: int = 4
 
 
-class Launched:
-    """A request sent without waiting for its reply; its reply (or error) is read in order later.
-
-    ``what`` names it in errors ("graph 3f2a9c01d2e4"); ``on_reply(reply,
-    frames)`` runs when its reply is read (an exception it raises fails the
-    call); ``effect``: it makes no value Python can read (an optimizer step, an
-    upload): a failure is raised at the next read on the stream. ``makes``:
-    keys of the objects it creates on the worker (``("h", handle id)``), so a
-    later request that misses one of them fails with this call's error.
-    ``quiet``: lost with its worker, it loses nothing Python holds (releases of
-    values that went with the worker): not raised unread. ``step``: an
-    optimizer step (counts against ``QueueLimits.steps``); ``on_read``: called
-    at the first read that waits for it, with whether that came at once;
-    ``queued``: False when its caller waits for the reply at once; ``origin``:
-    the line that issued it. (Not a dataclass: one is made per request, and
-    only the arguments are set; the rest starts from the class's values.)
-    """
-
-    seq, done, reported, nbytes, sent_at = 0, False, False, 0, 0.0
-    error: errors.RemoteError | None = None
-    reply, frames = None, None
-    message: tuple = ()  # (header, frames) as sent, for a replay
-    alone = False  # sent while nothing else was in flight (its round trip had no queue)
-
-    def __init__(self, what: str, on_reply: Callable[[object, list], None] | None = None,
-                 expect: type | None = None, on_error: Callable[[errors.RemoteError], None] | None = None,
-                 effect: bool = False, quiet: bool = False, makes: tuple = (), step: bool = False,
-                 on_read: Callable[[bool], None] | None = None, queued: bool = True, origin: tuple = ()) -> None:
-        self.what, self.on_reply, self.expect, self.on_error = what, on_reply, expect, on_error
-        self.effect, self.quiet, self.makes, self.step = effect, quiet, makes, step
-        self.on_read, self.queued, self.origin = on_read, queued, origin
-
-    def __repr__(self) -> str:
-        state = "failed" if self.error is not None else ("answered" if self.done else "in flight")
-        return f"<Launched {self.seq}: {self.what}, {state}>"
-
-    def raise_error(self) -> None:
-        """Raise what the call failed with, naming the call and the line that issued it."""
-        exc = self.error
-        if exc is None:
-            return
-        root = getattr(exc, "launched_root", None) or self
-        self.reported = root.reported = True
-        raise _named(root.error if root.error is not None else exc, root, self) from exc
-
-
-def _root(launched: Launched) -> Launched:
-    """The failure a failed call's error comes from (itself, or the one it depended on)."""
-    return getattr(launched.error, "launched_root", None) or launched
-
-
-def _named(exc: errors.RemoteError, root: Launched, dependent: Launched) -> errors.RemoteError:
-    """The error as the user sees it: the root failure's type, what failed, the line that issued it,
-    and the worker's text (and, for a request that failed because of it, that one too)."""
-    issued = f" (issued at {origins.describe(root.origin)})" if root.origin or root.queued else ""
-    text = f"{root.what}{issued} failed: {exc.message}"
-    if dependent is not root:
-        text = f"{dependent.what} could not run: it depends on {text}"
-    new = copy.copy(exc)  # its type and what it carries (missing objects, ranks…)
-    new.message, new.args = text, (text,)
-    new.launched_root = root
-    return new
-
-
 class Stream:
     """The requests of one link, in order (see the module docstring).
 
@@ -150,7 +87,7 @@ class Stream:
     def __init__(self, *, post, collect, ready, reconnect, encode, parse, exchange=None,
                  limits: QueueLimits | None = None, blocking: bool = False) -> None:
         self._post, self._collect, self._ready = post, collect, ready
-        self._exchange = exchange  # post and collect in one, while nothing else is in flight (launch_and_wait)
+        self._exchange = exchange  # post and collect in one, while nothing else is in flight (call)
         self._reconnect, self._encode, self._parse = reconnect, encode, parse
         self.limits = limits or QueueLimits()
         self.blocking = blocking
@@ -184,9 +121,10 @@ class Stream:
         launched.message = (header, list(frames))
         launched.nbytes = len(header) + sum(memoryview(f).nbytes for f in frames)
         self._enter(launched)
-        tracer = trace.current()
-        if tracer is not None:
-            tracer.issued(self.name, launched)
+        if trace.ACTIVE:
+            tracer = trace.current()
+            if tracer is not None:
+                tracer.issued(self.name, launched)
         try:
             self._post(header, launched.message[1])
         except errors.RemoteError as exc:
@@ -211,22 +149,32 @@ class Stream:
                 self._drain_ready()
         return launched
 
-    def launch_and_wait(self, body, frames: Sequence, launched: Launched) -> None:
-        """:meth:`launch` then :meth:`wait`; with nothing else in flight, one exchange on the transport
-        (the same numbering, replay and errors; no queue to make room in or drain, no trace)."""
-        if (self.inflight or self._exchange is None or self.blocking or launched.step or launched.on_read is not None
-                or trace.current() is not None):
+    def call(self, body, frames: Sequence, expect: type | None = None, what: str = "") -> tuple:
+        """Send a request and read its reply now: ``(reply, frames)``, or its failure raised, named.
+
+        With nothing else in flight, one exchange on the transport, and no
+        :class:`Launched` unless it fails: the same numbering, replay and
+        errors as :meth:`launch` then :meth:`wait`. (A queue, the blocking
+        mode and a trace take that path.) ``what`` names it in errors (by
+        default the request's type).
+        """
+        if self.inflight or self._exchange is None or self.blocking or trace.ACTIVE:
+            launched = self._made(body, expect, what)
             self.launch(body, frames, launched)
-            return self.wait(launched)
-        self.seq = seq = launched.seq = self.seq + 1
+            self.wait(launched)
+            launched.raise_error()
+            return launched.reply, launched.frames
+        self.seq = seq = self.seq + 1
         header = self._encode(body, seq, self.acked)
-        launched.alone, launched.message = True, (header, list(frames))
-        launched.nbytes = len(header) + sum(memoryview(f).nbytes for f in frames)
-        self._enter(launched)
-        launched.sent_at = time.perf_counter()
+        sent_at = time.perf_counter()
         try:
-            message = self._exchange(header, frames)
-        except errors.RemoteError as exc:
+            head, out = self._exchange(header, frames)
+        except errors.RemoteError as exc:  # as launch would have: kept for a replay, then waited for
+            launched = self._made(body, expect, what)
+            launched.seq, launched.alone, launched.sent_at = seq, True, sent_at
+            launched.message = (header, list(frames))
+            launched.nbytes = len(header) + sum(memoryview(f).nbytes for f in frames)
+            self._enter(launched)
             if getattr(exc, "timed_out", False):  # as _settle_one: the worker did not answer in time
                 self._lose(list(self.inflight), exc)
             elif isinstance(exc, errors.TransportError) and getattr(exc, "dropped", False):
@@ -235,12 +183,30 @@ class Stream:
                 self.inflight.pop()
                 self._leave(launched)
                 raise
-            return self.wait(launched)
+            self.wait(launched)
+            launched.raise_error()
+            return launched.reply, launched.frames
         self.blocking_reads += 1
-        self.inflight.popleft()
-        self._take(launched, message)
+        self.acked = seq
+        self.pipe.answered(time.perf_counter() - sent_at)
+        try:
+            reply = self._parse(head, expect)
+        except errors.RemoteError as exc:
+            failed = self._made(body, expect, what)
+            failed.seq, failed.done = seq, True
+            self._failed(failed, exc)
+            if self.unreported:
+                self.raise_effects(before=seq)
+            failed.raise_error()
         if self.unreported:
             self.raise_effects(before=seq)
+        return reply, out
+
+    @staticmethod
+    def _made(body, expect: type | None, what: str) -> Launched:
+        """The record of a request its caller waits for (its line is taken only for a trace)."""
+        return Launched(what or type(body).__name__, expect=expect, queued=False,
+                        origin=origins.here() if trace.ACTIVE else ())
 
     def _enter(self, launched: Launched) -> None:
         self.inflight.append(launched)
@@ -300,7 +266,7 @@ class Stream:
             tracer = trace.current()
             if tracer is not None:
                 tracer.waited(self.name, started, last, origins.here())
-        pending = [f for f in self.unreported if not _root(f).reported]
+        pending = [f for f in self.unreported if not root(f).reported]
         self.unreported.clear()
         if pending:
             first = pending[0]
@@ -318,7 +284,7 @@ class Stream:
     def raise_effects(self, before: int | None = None) -> None:
         """Raise the first failure of a request that made no value (sent before seq ``before``)."""
         for failed in self.unreported:
-            if failed.effect and not _root(failed).reported and (before is None or failed.seq < before):
+            if failed.effect and not root(failed).reported and (before is None or failed.seq < before):
                 self.unreported = [f for f in self.unreported if f is not failed]
                 failed.raise_error()
 
@@ -369,9 +335,10 @@ class Stream:
             self._failed(launched, exc)
         finally:
             launched.done = True
-            tracer = trace.current()
-            if tracer is not None:
-                tracer.answered(self.name, launched)
+            if trace.ACTIVE:
+                tracer = trace.current()
+                if tracer is not None:
+                    tracer.answered(self.name, launched)
 
     def _failed(self, launched: Launched, exc: errors.RemoteError) -> None:
         if isinstance(exc, errors.MissingObjectsError):

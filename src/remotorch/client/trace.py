@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from . import origin as origins
 
-_active: list[Tracer] = []
+ACTIVE: list[Tracer] = []  # the running trace() blocks, innermost last (hot paths test it, no call)
 _lock = threading.Lock()
 
 
@@ -79,7 +79,7 @@ class Tracer:
 
 def current() -> Tracer | None:
     """The innermost active tracer, if a ``trace()`` block is running."""
-    return _active[-1] if _active else None
+    return ACTIVE[-1] if ACTIVE else None
 
 
 @contextmanager
@@ -87,10 +87,10 @@ def trace(path: str | os.PathLike):
     """Record a timeline of every session's requests and waits into ``path`` (see the module docstring)."""
     tracer = Tracer(os.fspath(path))
     with _lock:
-        _active.append(tracer)
+        ACTIVE.append(tracer)
     try:
         yield tracer
     finally:
         with _lock:
-            _active.remove(tracer)
+            ACTIVE.remove(tracer)
         tracer.write()

@@ -22,7 +22,7 @@ import torch
 from .. import errors
 from ..capture.graph import output_devices
 from ..client import origin
-from ..client.stream import Launched
+from ..client.launched import Launched
 from ..codec import messages as m
 from ..codec.frames import FrameReader
 from ..codec.graph import GraphPayload, encode_graph

@@ -32,7 +32,7 @@ from ..client import origin
 from ..client.launch import Plan, launch, launchable, nbytes
 from ..client.placeholders import placeholder
 from ..client.remote import REMOTE, RemoteGrad
-from ..client.stream import Launched
+from ..client.launched import Launched
 from ..client.session import Session
 from ..codec import messages as m
 from ..codec.frames import FrameReader, FrameWriter

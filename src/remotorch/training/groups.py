@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from .. import errors
 from ..client.connection import Connection
-from ..client.link import Launched
+from ..client.launched import Launched
 from ..codec import messages as m
 
 _ids = itertools.count(1)  # group ids: unique among this process's groups, so within every worker session

@@ -19,7 +19,7 @@ import torch
 
 from ..client import origin
 from ..client.placeholders import fill, placeholder
-from ..client.stream import Launched
+from ..client.launched import Launched
 from ..client.session import default_session
 from ..codec import messages as m
 from ..codec.frames import SCALARS, FrameReader, FrameWriter
