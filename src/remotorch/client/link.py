@@ -277,7 +277,7 @@ class Link:
             raise
 
     def _exchange(self, header: bytes, frames: Sequence) -> tuple:
-        """Post one message and read its reply, nothing else being in flight (``Stream.launch_and_wait``).
+        """Post one message and read its reply, nothing else being in flight (``Stream.call``).
         An error that closed the open connection says ``dropped``, as :meth:`_post`'s does."""
         transport = self._transport  # (made by _ready_to_send)
         if not transport.connected:  # (a failure to connect is not a dropped connection)
