@@ -118,9 +118,7 @@ class Stream:
         header = self._encode(body, self.seq, self.acked)
         self._make_room(launched)
         alone = launched.alone = not self.inflight
-        launched.message = (header, list(frames))
-        launched.nbytes = len(header) + sum(memoryview(f).nbytes for f in frames)
-        self._enter(launched)
+        self._enter(launched, header, frames)
         if trace.ACTIVE:
             tracer = trace.current()
             if tracer is not None:
@@ -172,9 +170,7 @@ class Stream:
         except errors.RemoteError as exc:  # as launch would have: kept for a replay, then waited for
             launched = self._made(body, expect, what)
             launched.seq, launched.alone, launched.sent_at = seq, True, sent_at
-            launched.message = (header, list(frames))
-            launched.nbytes = len(header) + sum(memoryview(f).nbytes for f in frames)
-            self._enter(launched)
+            self._enter(launched, header, frames)
             if getattr(exc, "timed_out", False):  # as _settle_one: the worker did not answer in time
                 self._lose(list(self.inflight), exc)
             elif isinstance(exc, errors.TransportError) and getattr(exc, "dropped", False):
@@ -189,17 +185,17 @@ class Stream:
         self.blocking_reads += 1
         self.acked = seq
         self.pipe.answered(time.perf_counter() - sent_at)
+        failed = None
         try:
             reply = self._parse(head, expect)
         except errors.RemoteError as exc:
             failed = self._made(body, expect, what)
             failed.seq, failed.done = seq, True
             self._failed(failed, exc)
-            if self.unreported:
-                self.raise_effects(before=seq)
-            failed.raise_error()
-        if self.unreported:
+        if self.unreported:  # (earlier requests' failures first: this one may depend on them)
             self.raise_effects(before=seq)
+        if failed is not None:
+            failed.raise_error()
         return reply, out
 
     @staticmethod
@@ -208,7 +204,10 @@ class Stream:
         return Launched(what or type(body).__name__, expect=expect, queued=False,
                         origin=origins.here() if trace.ACTIVE else ())
 
-    def _enter(self, launched: Launched) -> None:
+    def _enter(self, launched: Launched, header: bytes, frames: Sequence) -> None:
+        """In flight: kept as sent (for a replay), its bytes and steps counted against the bound."""
+        launched.message = (header, list(frames))
+        launched.nbytes = len(header) + sum(memoryview(f).nbytes for f in frames)
         self.inflight.append(launched)
         self._bytes += launched.nbytes
         self._steps += launched.step
