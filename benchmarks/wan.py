@@ -32,7 +32,9 @@ runs the local code sleeping one RTT before each forward a remote run would
 wait for: what a remote that cost nothing but the round trip would give on
 this machine, where work that follows an idle wait runs slower (cold caches,
 a descheduled virtual CPU). It is printed under the targets as their floor,
-not judged.
+not judged, with what each case costs beyond the round trip itself, per run:
+remotorch's remote - local - a bare round trip (``Session.echo``) through
+the same proxy, and the control's remote - local - RTT.
 
 The peers (``_wan/peers.py`` says how each is set up and proxied): pickle
 over pyzmq called per graph (cases 1, 2, 6), torch RPC with the step moved by
@@ -93,7 +95,7 @@ from remotorch.client.embedded import spawn_worker  # noqa: E402
 from _wan import workload  # noqa: E402
 from _wan.netproc import Network  # noqa: E402
 from _wan.cases import CASES, control_units, inference_cases, training_cases, two_worker_cases  # noqa: E402
-from _wan.report import judge, print_table, print_targets  # noqa: E402
+from _wan.report import TARGET_RTT, judge, print_table, print_targets  # noqa: E402
 from _wan.timing import echo_rtt, measure, summarize, warm  # noqa: E402
 
 PEER_CASES = ("train", "train10", "infer")
@@ -332,7 +334,7 @@ def main(argv=None) -> int:
         print_table(rows, say)
     inputs = 2 * workload.batches()[0].nbytes  # the batch, as input_ids and as labels
     targets = judge(runs, inputs)
-    print_targets(targets, runs, say)
+    print_targets(targets, runs, say, info.get("echo_ms", {}).get(f"{TARGET_RTT:g}"))
     failed = info.get("failed", {})
     passed = all(t["pass"] for t in targets) and not failed
     wall = time.perf_counter() - start

@@ -98,7 +98,9 @@ def controls(runs: list[list[dict]]) -> dict[str, list[float]]:
     return out
 
 
-def print_targets(targets: list[dict], runs_rows: list[list[dict]], say) -> None:
+def print_targets(targets: list[dict], runs_rows: list[list[dict]], say, echo_ms: list[float] | None = None) -> None:
+    """The targets, each control's floor and, given ``echo_ms`` (a bare round trip through the proxy at
+    TARGET_RTT, one per run), what remotorch costs beyond it on the controls' cases."""
     n_runs = len(runs_rows)
     say(f"\nTargets at RTT {TARGET_RTT:g} ms (medians over steps; the median of {n_runs} run{'s' * (n_runs > 1)}):")
     if not targets:
@@ -111,3 +113,11 @@ def print_targets(targets: list[dict], runs_rows: list[list[dict]], say) -> None
     for case, values in controls(runs_rows).items():
         say(f"  (the floor on this machine for {CASES[case]}: the local code idle one RTT a read gives "
             f"{statistics.median(values):.3f}, runs {', '.join(f'{v:.3f}' for v in values)}; not a target)")
+        beyond = [(mine["remote_ms"] - mine["local_ms"] - echo, ctl["remote_ms"] - ctl["local_ms"] - TARGET_RTT)
+                  for run, echo in zip(runs_rows, echo_ms or [])
+                  if (mine := _row(run, case, REMOTORCH, TARGET_RTT)) and (ctl := _row(run, case, CONTROL, TARGET_RTT))]
+        if beyond:
+            say(f"  (what that case costs beyond the round trip, ms per {'token' if case == 'generate' else 'step'}, "
+                f"runs: remotorch's remote - local - a bare round trip (echo) through the same proxy "
+                f"{', '.join(f'{b:.2f}' for b, _ in beyond)}; the control's remote - local - {TARGET_RTT:g} ms "
+                f"{', '.join(f'{c:.2f}' for _, c in beyond)})")
