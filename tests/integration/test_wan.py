@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import remotorch
 from remotorch import errors
+from remotorch.client.depth import StepPipe
 from remotorch.codec import messages as m
 from remotorch.devtools.netem import DelayProxy
 from remotorch.optim import RemoteOptimizer
@@ -419,14 +420,21 @@ def test_the_step_bound_counts_steps_ahead_of_the_worker_not_those_on_the_wire(s
     with DelayProxy(server.url, delay_ms=20) as far:
         s = session_for(far.url, queue=limits)
         stream = s.connection.link.stream
-        unanswered = []
+        sent: list[tuple[int, int]] = []  # at each step sent: (steps unanswered, the link's estimate)
 
-        def each():
-            unanswered.append(stream._steps)
-            assert stream._steps <= limits.steps + stream.pipe.steps() + 1  # (+1: the one just sent)
-        model = sgd_loop(s, 30, each)
+        class Watched(StepPipe):  # the estimate the step was let through on: before its own pace counts
+            __slots__ = ()
+
+            def stepped(self, now: float, waited: float = 0.0) -> None:
+                sent.append((stream._steps, self.steps()))
+                super().stepped(now, waited)
+        stream.pipe = Watched()
+        model = sgd_loop(s, 30, lambda: None)
+        assert len(sent) == 30
+        over = [(n, est) for n, est in sent if n > limits.steps + est]
+        assert not over, over  # never more ahead than asked for, beyond what the link held then
         assert stream.pipe.steps() >= 2  # it measured the link: the round trip is several steps long
-        assert max(unanswered) > limits.steps + 1
+        assert max(n for n, _ in sent) > limits.steps + 1  # and let that many through
         s.synchronize()
         ref = tiny_mlp(16, 32, 1)  # the same steps locally
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
