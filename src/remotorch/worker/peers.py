@@ -56,6 +56,9 @@ class Tickets:
         self._clock = clock
         self._limit = limit
         self._by_id: dict[bytes, Ticket] = {}
+        # tickets used up, until they would have expired (oldest first, at most ``limit``): a second
+        # use is refused at once, not waited for as a ticket that may still be on its way
+        self._used: dict[bytes, float] = {}
         self._lock = threading.Lock()
         self._issued = threading.Condition(self._lock)
 
@@ -84,6 +87,8 @@ class Tickets:
                 raise LimitExceededError(f"over {self._limit} transfer tickets are outstanding")
             if ticket_id and ticket_id in self._by_id:
                 raise InvalidRequestError("a ticket with this id is outstanding")
+            if ticket_id and self._used.get(ticket_id, now) > now:
+                raise InvalidRequestError("a ticket with this id was used already")
             ticket = Ticket(ticket_id or os.urandom(TICKET_ID_SIZE), secret or os.urandom(32), session,
                             list(handles), list(metas), now + ttl)
             self._by_id[ticket.ticket_id] = ticket
@@ -95,6 +100,8 @@ class Tickets:
         not issued yet is waited for up to :attr:`arrival_s`."""
         deadline = time.monotonic() + self.arrival_s
         with self._lock:
+            if self._used.get(ticket_id, 0.0) > self._clock():  # used up: it will not come again
+                return None
             while ticket_id not in self._by_id and time.monotonic() < deadline:
                 self._issued.wait(max(0.0, deadline - time.monotonic()))
             ticket = self._by_id.get(ticket_id)
@@ -104,7 +111,14 @@ class Tickets:
         """Use a ticket up (None: unknown, used or expired)."""
         with self._lock:
             ticket = self._by_id.pop(ticket_id, None)
-            return ticket if ticket is not None and ticket.expires > self._clock() else None
+            now = self._clock()
+            if ticket is None or ticket.expires <= now:
+                return None
+            used = self._used  # (the oldest first: those that expired, and beyond the limit, go)
+            while used and (len(used) >= self._limit or next(iter(used.values())) <= now):
+                del used[next(iter(used))]
+            self._used[ticket_id] = ticket.expires
+            return ticket
 
     def now(self) -> float:
         return self._clock()
