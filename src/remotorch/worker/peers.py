@@ -97,7 +97,7 @@ class Tickets:
 
     def secret(self, ticket_id: bytes) -> bytes | None:
         """The secret of an outstanding, unexpired ticket (for the handshake), else None; a ticket
-        not issued yet is waited for up to :attr:`arrival_s`."""
+        not issued yet is waited for up to :attr:`arrival_s` (one used already, not at all)."""
         deadline = time.monotonic() + self.arrival_s
         with self._lock:
             if self._used.get(ticket_id, 0.0) > self._clock():  # used up: it will not come again
