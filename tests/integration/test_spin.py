@@ -8,6 +8,7 @@ and an idle worker stops spinning once its window has passed.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -125,11 +126,19 @@ def test_a_client_spins_for_its_window_while_its_call_runs_then_waits_asleep(wid
             compiled = remotorch.compile(lambda a: a * 3, session=session, engine=f"hold:{HOLD:g}",
                                          fallback="raise")
             assert torch.equal(compiled(x), x * 3)  # compiled, uploaded
-            time.sleep(2 * WINDOW)  # the worker's own window after that reply is over
-            start, started_at = time.thread_time(), time.monotonic()
-            assert torch.equal(compiled(x), x * 3)
-            assert time.monotonic() - started_at >= HOLD
-            cpu[spin_us] = time.thread_time() - start
+            spent = []
+            for _ in range(2):  # the lesser of two: one call may also pay for what the host did to us
+                time.sleep(2 * WINDOW)  # the worker's own window after the last reply is over
+                gc.collect()
+                gc.disable()  # late in a long run a full collection alone can cost ~100 ms of this thread
+                try:
+                    start, started_at = time.thread_time(), time.monotonic()
+                    assert torch.equal(compiled(x), x * 3)
+                    assert time.monotonic() - started_at >= HOLD
+                    spent.append(time.thread_time() - start)
+                finally:
+                    gc.enable()
+            cpu[spin_us] = min(spent)
         torch._dynamo.reset()
     # polling through the window costs up to WINDOW of this thread's CPU time (less on a busy host);
     # without a window the thread sleeps through the call: a millisecond or so, up to a few tens on a
