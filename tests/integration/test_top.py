@@ -75,6 +75,12 @@ def test_top_in_a_pipe_prints_each_refresh_as_plain_text(shared):
     assert "slowest graphs" in out and "eager" in out and "recent errors" in out and "missing" in out
 
 
+def _default_ctrl_c() -> None:
+    """Ctrl-C as at a terminal: a run started in the background (``cmd &`` in a script) ignores SIGINT,
+    and so would every process it starts, Python's handler included."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_top_at_a_terminal_redraws_and_ends_cleanly_on_ctrl_c(start_server):
     srv = start_server(name="watched")  # one --token: its holder is the operator
     env = clean_env(COLUMNS="120", TERM="xterm")
@@ -82,7 +88,8 @@ def test_top_at_a_terminal_redraws_and_ends_cleanly_on_ctrl_c(start_server):
                            "--interval", "0.2"], env)
     assert ESC in out and "watched" in out and "tenants" in out and "Traceback" not in out
     proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "remotorch", "top", srv.url, "--token", TOKEN,
-                             "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                             "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=_default_ctrl_c)
     time.sleep(3.0)
     proc.send_signal(signal.SIGINT)
     try:
