@@ -62,12 +62,16 @@ def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
     made: list[tuple[RemoteGraph, bool, int]] = []
     make = functools.partial(_compile_aten, session=session, engine=engine, fallback=fallback, worker=worker,
                              made=made)
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
     extra = {"decompositions": custom_decompositions()} if custom_ops == "decompose" else {}
     with _effect_tokens_inside(), portable_attention(_worker_device(session, worker)):
+        # aot_eager's partitioner (torch/_dynamo/backends/debugging.py): it recomputes what is cheaper
+        # to recompute than to save, so a forward saves what aot_eager's saves
         compiled = aot_autograd(fw_compiler=functools.partial(make, static=True, kind="forward"),
                                 inference_compiler=functools.partial(make, static=True),
                                 bw_compiler=functools.partial(make, static=False, kind="backward"),
-                                **extra)(gm, example_inputs)
+                                partition_fn=min_cut_rematerialization_partition, **extra)(gm, example_inputs)
     if len(made) == 1 and made[0][1] and made[0][2] == len(example_inputs):  # dynamo's arguments, as they are
         return _placeholders_seen(_direct(made[0][0]))
     return _placeholders_seen(compiled)

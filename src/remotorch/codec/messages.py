@@ -118,6 +118,10 @@ class Run(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
     ``rng``: a graph that draws random numbers starts from this CPU generator
     state (the client's); empty, it goes on from the state the session's
     previous random graph left (§17.5).
+
+    ``take``: handles the run takes: the session drops them before the graph
+    runs, so each is freed as soon as the graph has last used it (a backward
+    whose autograd graph is not kept takes its saved activations, §17.1).
     """
 
     graph_id: str
@@ -137,6 +141,7 @@ class Run(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
     echo: list[int] = []
     brief: bool = False
     rng: bytes = b""
+    take: list[int] = []
 
 
 def grad_fields(pairs) -> dict:

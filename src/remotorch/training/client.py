@@ -196,8 +196,10 @@ class TrainingClient:
 
         policy = conn.policies.of(graph)
         layout = launchable(graph, policy, args)
+        taken = _taken(graph, args)
         if layout is None:
-            reply, frames = conn.run(graph, args, placed=placed, fields=lambda: self._fields(graph, call))
+            reply, frames = conn.run(graph, args, placed=placed,
+                                     fields=lambda: dict(self._fields(graph, call), **taken))
             policy.ran = True
             return self._unpack(graph, reply, frames, call)
         grads = self._grads(graph, call)
@@ -207,7 +209,7 @@ class TrainingClient:
         plan = Plan(conn, graph, layout, unread, echo=echo, saved=lambda hid: activation(self.handles, hid, call),
                     grads=[i for i, _ in grads])
         saved_from = graph.saved_from if graph.saved_from is not None else -1
-        return launch(conn, graph, args, plan, fields=dict(saved_from=saved_from, **m.grad_fields(grads)),
+        return launch(conn, graph, args, plan, fields=dict(saved_from=saved_from, **m.grad_fields(grads), **taken),
                       placed=placed)
 
     def _place(self, graph: Graph, args: Sequence, call: ForwardCall) -> list:
@@ -399,3 +401,12 @@ def accumulated_by_this_backward(t: torch.Tensor) -> bool:
     except (AttributeError, IndexError):
         return True
 
+
+def _taken(graph: Graph, args: Sequence) -> dict:
+    """``Run.take`` for a backward whose autograd graph is not kept (no ``retain_graph``, no
+    ``create_graph``): its saved activations, which aot_autograd has cleared here already
+    (``ctx.maybe_clear_saved_tensors()``), are freed on the worker as the graph last uses each."""
+    if graph.kind != "backward" or torch._C._autograd._get_current_graph_task_keep_graph():
+        return {}
+    hids = [h for h in map(handle_of, args) if h is not None]
+    return {"take": hids} if hids else {}

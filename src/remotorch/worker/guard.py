@@ -18,6 +18,7 @@ import torch
 
 from ..errors import RemoteOutOfMemoryError, RequestTimeoutError, WorkerError
 from . import quota
+from .engines import call
 from .deadline import DeadlineExpired, deadline
 from .store import SharedStore
 
@@ -48,11 +49,13 @@ def guarded(engine: str, body: Callable[[], _T], *, timeout: float | None, store
 
 
 def timed_call(fn: Callable, values: list, device: torch.device) -> tuple:
-    """``fn(*values)`` and its milliseconds (on CUDA, from a synchronized device to a synchronized one)."""
+    """``fn`` on ``values`` (handed over to a boxed ``fn``, which empties the list: see
+    :func:`~remotorch.worker.engines.call`) and its milliseconds (on CUDA, from a synchronized
+    device to a synchronized one)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    out = fn(*values)
+    out = call(fn, values)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return out, (time.perf_counter() - start) * 1e3

@@ -80,10 +80,10 @@ def grad_slots(worker: Stores, session: object, req: m.Run) -> dict[int, int]:
     return grads
 
 
-def dispose(worker: Stores, session: object, plan: OutputPlan, outs: list, inputs: list,
+def dispose(worker: Stores, session: object, plan: OutputPlan, outs: list, inputs: frozenset[int],
             grads: dict[int, int], send: Send) -> list:
-    """Apply the plan to a run's outputs (``inputs``: the values the graph took); one wire argument
-    (or the value, to send inline) per output."""
+    """Apply the plan to a run's outputs (``inputs``: the storages of the tensors the graph took, by
+    address, when it makes gradients); one wire argument (or the value, to send inline) per output."""
     saved = [i for i, o in enumerate(outs) if 0 <= plan.saved_from <= i and isinstance(o, torch.Tensor)]
     saved_ids = dict(zip(saved, range(plan.handle_base, plan.handle_base + len(saved))))
     worker.handles.put(session, list(saved_ids.values()), [outs[i] for i in saved])
@@ -91,7 +91,7 @@ def dispose(worker: Stores, session: object, plan: OutputPlan, outs: list, input
     sent = _send(plan.send, outs, send) if plan.send else set()
     # a gradient may alias an argument or another output (e.g. the incoming
     # gradient passed straight through): only a fresh tensor may become .grad
-    taken = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)} if grads else set()
+    taken = set(inputs)
     result, brief = [], plan.brief  # (a brief reply leaves out what went as planned: it is not made)
     for i, o in enumerate(outs):
         if i in saved_ids:

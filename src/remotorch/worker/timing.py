@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .engines import call
+
 MAX_REPEATS = 100_000
 MAX_WARMUPS = 10_000
 
@@ -28,18 +30,19 @@ class TimedRuns:
 
 
 def time_runs(fn: Callable, values: Sequence, device: torch.device, warmups: int, repeats: int) -> TimedRuns:
-    """Call ``fn(*values)`` ``warmups`` times untimed, then ``repeats`` times timed."""
+    """Call ``fn`` on ``values`` ``warmups`` times untimed, then ``repeats`` times timed (each call gets its own
+    list: a boxed ``fn`` empties the one it is given)."""
     with torch.no_grad():
         out = None
         for _ in range(warmups):
-            out = fn(*values)
+            out = call(fn, list(values))
         if device.type == "cuda":
             return _cuda_runs(fn, values, device, repeats, out)
         times = []
         clock = time.perf_counter  # monotonic, highest resolution available
         for _ in range(repeats):
             start = clock()
-            out = fn(*values)
+            out = call(fn, list(values))
             times.append((clock() - start) * 1e3)
         return TimedRuns(out, times, "monotonic")
 
@@ -51,7 +54,7 @@ def _cuda_runs(fn: Callable, values: Sequence, device: torch.device, repeats: in
     stream = torch.cuda.current_stream(device)
     for start, end in events:
         start.record(stream)
-        out = fn(*values)
+        out = call(fn, list(values))
         end.record(stream)
     torch.cuda.synchronize(device)
     return TimedRuns(out, [start.elapsed_time(end) for start, end in events], "cuda_events")

@@ -21,7 +21,6 @@ import logging
 import time
 from itertools import chain
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +33,7 @@ from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsErr
                       UnsupportedGraphError)
 from . import engines, quota
 from .bindings import Bindings
+from .calls import Prepared, Ran, storages
 from .graphs import GraphEntry
 from .rng import Generators
 from .guard import guarded, timed_call
@@ -62,27 +62,6 @@ def resolve_device(spec: str = "auto") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("CUDA was asked for but this machine has none")
     return device
-
-
-@dataclass
-class Ran:
-    """One graph run: its outputs (after :func:`~remotorch.worker.outputs.dispose`: wire arguments
-    for those not sent inline), the worker's milliseconds, whether it compiled, the inputs it took."""
-
-    outputs: list
-    ms: float
-    compiled: bool
-    inputs: list
-    rng: list | None = None  # a random graph: what changed in the session's generator state
-
-
-@dataclass
-class _Prepared:
-    fn: Callable
-    values: list
-    compiled: bool
-    compile_ms: float
-    random: bool = False  # the graph draws random numbers (from the session's generator state)
 
 
 class Worker:
@@ -336,17 +315,26 @@ class Worker:
         prep = self._prepare(session, req.graph_id, req.engine, req.args, frames, req.bind, req.bound)
         if req.keep_inputs:
             self._keep_inputs(session, req.keep_inputs, prep.values)
+        inputs = storages(prep.values) if grads else frozenset()  # (before the call frees them)
+        if req.take:  # saved activations the run takes: freed as it goes (see worker/calls.py)
+            self.handles.release(session, req.take)
+        else:
+            prep.again = lambda: self._prepare(session, req.graph_id, req.engine, req.args, frames, 0,
+                                               req.bound).values
+
+        def call():
+            return self._guarded(req.engine, lambda: timed_call(prep.fn, prep.hand_over(), self.device))
+
         rng = None
         if prep.random:  # from the session's generator state (the client's), as one process would
-            out, ms = self.generators.run(session, req.rng, lambda: self._guarded(
-                req.engine, lambda: timed_call(prep.fn, prep.values, self.device)))
+            out, ms = self.generators.run(session, req.rng, call)
             rng = self.generators.changes(session)
         else:
-            out, ms = self._guarded(req.engine, lambda: timed_call(prep.fn, prep.values, self.device))
+            out, ms = call()
         outs = _as_list(out)
         if plan is not None:  # (None: every output goes back inline, the common inference call)
-            outs = dispose(self, session, plan, outs, prep.values, grads, send)
-        return Ran(outs, ms, prep.compiled, prep.values, rng)
+            outs = dispose(self, session, plan, outs, inputs, grads, send)
+        return Ran(outs, ms, prep.compiled, rng)
 
     def profile(self, session: object, gid: str, engine: str, args: list, frames, *,
                 warmups: int, repeats: int) -> tuple[list, TimedRuns, bool, float]:
@@ -364,7 +352,7 @@ class Worker:
         return _as_list(runs.outputs), runs, prep.compiled, prep.compile_ms
 
     def _prepare(self, session: object, gid: str, engine: str, args: list, frames, bind: int = 0,
-                 bound: int = 0) -> _Prepared:
+                 bound: int = 0) -> Prepared:
         """The graph, its engine's callable and the argument values, checked; the same for every kind of run.
 
         ``bound``: ``args`` are the arguments binding ``bound`` does not cover
@@ -397,7 +385,7 @@ class Worker:
         start = time.perf_counter()
         fn, compiled = graph.engine_fn(engine, values, offered=self.engines, worker=self.name, device=self.device,
                                        disk=self.disk)
-        return _Prepared(fn, values, compiled, (time.perf_counter() - start) * 1e3 if compiled else 0.0,
+        return Prepared(fn, values, compiled, (time.perf_counter() - start) * 1e3 if compiled else 0.0,
                          graph.random)
 
     def _keep_inputs(self, session: object, pairs: list[list[int]], values: list) -> None:

@@ -4,6 +4,11 @@ An engine is a module with ``compile(graph: DecodedGraph, device, example_args)
 -> callable`` and ``available(device) -> bool``. Engines import their heavy
 dependencies inside ``compile``, so a worker lists only what really loads.
 
+A callable marked ``_boxed_call`` (aot_autograd's convention) takes its arguments
+as one list and empties it as it takes them, so each input is freed once the graph
+last used it, not when the call returns (:func:`call`); the eager engine's is. Any
+other callable is called with the arguments spread.
+
 A name ``base:arg`` is engine ``base`` set up with ``arg`` by its module's
 ``configure(arg)`` (only the debugging engines take one, e.g. ``hold:2.5``).
 
@@ -81,6 +86,18 @@ def compile_graph(engine: Engine, graph, device: torch.device, example_args, art
     if artifacts is not None and "artifacts" in inspect.signature(engine.compile).parameters:
         return engine.compile(graph, device, example_args, artifacts=artifacts)
     return engine.compile(graph, device, example_args)
+
+
+def call(fn: Callable, args: list):
+    """``fn`` on ``args``: boxed (``fn._boxed_call``: the list is handed over and emptied by ``fn``,
+    as aot_autograd's runtime calls a compiled graph) or with the arguments spread."""
+    return fn(args) if getattr(fn, "_boxed_call", False) else fn(*args)
+
+
+def boxed(fn: Callable) -> Callable:
+    """``fn`` marked as taking its arguments boxed (see :func:`call`)."""
+    fn._boxed_call = True
+    return fn
 
 
 def refuse_device_asserts(module: torch.fx.GraphModule, device: torch.device) -> None:

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from . import eager
+from . import boxed, eager
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +40,15 @@ class Hold:
         run = eager.compile(graph, device, example_args)
         seconds = self.seconds
 
-        def held(*args):
-            out = run(*args)
+        def held(args):
+            out = run(args)
             log.warning("hold engine: holding a graph run for %gs", seconds)
             until = time.monotonic() + seconds
             while (left := until - time.monotonic()) > 0:
                 time.sleep(min(left, SLICE_S))
             return out
 
-        return held
+        return boxed(held)
 
 
 def configure(arg: str) -> Hold:
