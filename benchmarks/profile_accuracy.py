@@ -100,12 +100,12 @@ def in_process(graph: RemoteGraph, args: list, engine: str, device: torch.device
 def time_block(fn, values: list, device: torch.device, warmups: int, repeats: int) -> float:
     with torch.no_grad():
         for _ in range(warmups):
-            fn(*values)
+            engines.call(fn, list(values))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         for _ in range(repeats):
-            fn(*values)
+            engines.call(fn, list(values))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return (time.perf_counter() - start) * 1e3 / repeats

@@ -156,9 +156,10 @@ def test_one_hots_class_checks_run_on_a_cpu_worker_and_are_refused_on_an_acceler
     graph = decode_graph(encode_graph(graphs[0]).doc, [], CPU)
     eager = engines.load("eager")
     run = engines.compile_graph(eager, graph, CPU, [torch.tensor([0, 2, 1])], None)
-    assert torch.equal(run(torch.tensor([3, 0]))[0], torch.nn.functional.one_hot(torch.tensor([3, 0]), 4))
+    assert torch.equal(engines.call(run, [torch.tensor([3, 0])])[0],
+                       torch.nn.functional.one_hot(torch.tensor([3, 0]), 4))
     with pytest.raises(RuntimeError, match="smaller than num_classes"):  # the check runs: a plain error here
-        run(torch.tensor([4]))
+        engines.call(run, [torch.tensor([4])])
     with pytest.raises(UnsupportedGraphError, match="_assert_async"):  # a device-side assertion there
         engines.compile_graph(eager, graph, torch.device("cuda"), [torch.tensor([0])], None)
 
