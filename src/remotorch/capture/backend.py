@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -24,8 +25,11 @@ import torch
 from ..codec.ops import CORE_NAMESPACES
 from ..codec.rngstate import draws_random
 from ..errors import UnsupportedGraphError
+from .attention import device_only, rewrite_attention
 from .graph import FALLBACKS, GraphRunner, RemoteGraph, output_devices
 from .layout import Layouts
+
+log = logging.getLogger(__name__)
 
 CUSTOM_OPS = ("worker", "decompose")
 
@@ -65,7 +69,10 @@ def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     extra = {"decompositions": custom_decompositions()} if custom_ops == "decompose" else {}
-    with _effect_tokens_inside(), portable_attention(_worker_device(session, worker)):
+    device = _worker_device(session, worker)
+    if device != "cpu":
+        fused_attention(gm, session, worker)
+    with _effect_tokens_inside(), portable_attention(device):
         # aot_eager's partitioner (torch/_dynamo/backends/debugging.py): it recomputes what is cheaper
         # to recompute than to save, so a forward saves what aot_eager's saves
         compiled = aot_autograd(fw_compiler=functools.partial(make, static=True, kind="forward"),
@@ -190,6 +197,25 @@ def _worker_device(session, worker) -> str:
     return str(device).partition(":")[0]
 
 
+def fused_attention(gm: torch.fx.GraphModule, session, worker) -> dict[str, int]:
+    """Each attention call of the graph as the kernel the worker picks for it (``capture/attention.py``);
+    how many went to each backend. A runner that cannot ask (a profile of several workers), or a
+    worker that does not answer, leaves them as their math."""
+    runner = session if session is not None else (default_runner() if default_runner else None)
+    ask = getattr(runner, "attention_backends", None)
+    if ask is None:
+        return {}
+
+    def choose(calls: list) -> list[str] | None:
+        try:
+            return ask(worker, calls)
+        except Exception:  # an older worker, or none reachable now: traced as the math, which runs anywhere
+            log.debug("the worker did not say which attention kernels it picks", exc_info=True)
+            return None
+
+    return rewrite_attention(gm, choose)
+
+
 def portable_attention(device_type: str):
     """Where this process traces for another device: attention as its math, not this CPU's kernel.
 
@@ -304,7 +330,8 @@ def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: 
     must_real, fetch_first = _aliased_outputs(kind, len(devices))
     graph = RemoteGraph(payload, runner=runner, engine=engine, fallback=fallback,
                         resident=_static_indices(example_inputs) if static else [],
-                        output_devices=devices, local=gm.forward, unsupported=unsupported,
+                        output_devices=devices, local=None if device_only(gm) else gm.forward,
+                        unsupported=unsupported,
                         kind=kind, saved_from=_saved_from() if kind == "forward" else None,
                         must_real=must_real, fetch_first=fetch_first, worker=worker,
                         layouts=_layouts(gm, kind), random=draws_random(gm))

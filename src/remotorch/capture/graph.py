@@ -42,6 +42,11 @@ class GraphRunner(Protocol):
     def note_fallback(self) -> None:
         """The graph ran locally."""
 
+    def attention_backends(self, worker: int | str | None, calls: list) -> list[str]:
+        """The attention kernel (``"flash"``, ``"efficient"``, ``"cudnn"``, ``"math"``) the worker
+        picks for each call signature (``codec.attention.AttentionCall``), asked at capture, once per
+        signature. Optional: without it, a graph for an accelerator traces attention as its math."""
+
     # Optional: ``allowed_ops(graph) -> frozenset[str]``, the namespaces of custom operators
     # the graph's worker allows. A runner that has it lets a graph that calls others run
     # locally (or raise) before anything is uploaded; one without it leaves that to the worker.
@@ -51,7 +56,7 @@ class RemoteGraph:
     """One uploaded-once graph, its resident arguments, and its fallback."""
 
     def __init__(self, payload: GraphPayload | None, *, runner: Callable[[], GraphRunner], engine: str,
-                 fallback: str, resident: list[int], output_devices: list, local: Callable,
+                 fallback: str, resident: list[int], output_devices: list, local: Callable | None,
                  unsupported: RemoteError | None = None, kind: str = "inference",
                  saved_from: int | None = None, must_real: frozenset[int] = frozenset(),
                  fetch_first: frozenset[int] = frozenset(), worker: int | str | None = None,
@@ -67,7 +72,7 @@ class RemoteGraph:
         self.resident_set = frozenset(resident)
         self.output_devices = output_devices
         self._runner = runner
-        self._local = local
+        self._local = local  # the graph run here (None: it holds a kernel only its worker has)
         self._unsupported = unsupported
         self._warned = False
         self.kind = kind  # "inference", "forward" (of a training pair) or "backward"
@@ -127,8 +132,8 @@ class RemoteGraph:
         return self._fall_back(self._runner(), args, exc, reached_worker=True)
 
     def _fall_back(self, runner: GraphRunner, args: list, exc: RemoteError, *, reached_worker: bool) -> list:
-        if self.fallback == "raise" or not runner.prepare_local(self, args, reached_worker):
-            raise exc
+        if self.fallback == "raise" or self._local is None or not runner.prepare_local(self, args, reached_worker):
+            raise exc  # (no local run: the graph holds a kernel of its worker's device, fused attention)
         runner.note_fallback()
         if not self._warned:
             self._warned = True

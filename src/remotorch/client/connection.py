@@ -32,6 +32,7 @@ from ..codec import messages as m
 from ..codec.frames import FrameWriter
 from ..transport import Transport
 from . import values
+from .attention import AttentionKernels
 from .graph import Graph
 from .handles import HandleTable, spans_of
 from .ids import ContentIds
@@ -83,6 +84,7 @@ class Connection:
         self.pending_hooks: list[Callable[[], dict | None]] = []
         self.policies = Policies()  # what the client learned of each graph (client.policy)
         self.reuse = InputReuse(self.handles, self.policies)  # large inputs sent once per call
+        self.attention = AttentionKernels(self.request, self.link.on_reset)  # its kernels, per call (capture)
 
     # ------------------------------------------------------------------ the link
     @property

@@ -103,6 +103,10 @@ class GraphRunner:
         """A graph ran locally instead (counted in ``stats()["fallbacks"]``)."""
         self._fallbacks += 1
 
+    def attention_backends(self, worker: int | str | None, calls: list) -> list[str]:
+        """The attention kernel the worker picks for each call signature (asked once per signature)."""
+        return self.connection_for(worker).attention.choose(calls)
+
     def allowed_ops(self, graph: Graph) -> frozenset[str]:
         """Namespaces of custom operators the graph's worker allows (from its health reply, asked once)."""
         return frozenset(self.connection_for(graph.worker).info().get("allowed_ops") or ())

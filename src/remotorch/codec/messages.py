@@ -4,8 +4,9 @@ A message is frame 0 (an msgpack :class:`Envelope`, with the protocol version) a
 frames (tensor bytes, never copied into the header); ``docs/protocol.md`` is the normative text.
 The core requests and replies are declared here; the others live in sibling modules by part of
 the protocol (:mod:`.args`: tensor layouts and call arguments; :mod:`.training`; :mod:`.values`;
-:mod:`.groups`; :mod:`.cache`; :mod:`.stats`), and this module is the face of them all: it takes them into
-``Request`` and ``Reply`` and re-exports every one (import them from here: ``m.OptimStep``).
+:mod:`.groups`; :mod:`.cache`; :mod:`.stats`; :mod:`.attention`), and this module is the face of
+them all: it takes them into ``Request`` and ``Reply`` and re-exports every one (import them from
+here: ``m.OptimStep``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Union
 import msgspec
 
 from .args import compact, expand  # noqa: F401 (how a Run writes runs of handles and slots)
+from .attention import AttentionCall, AttentionChoice, AttentionChoiceReply, TensorSig  # noqa: F401
+from .attention import MAX_CALLS as MAX_ATTENTION_CALLS  # noqa: F401
 from .args import (Arg, EchoArg, HandleArg, HandlesArg, KeptArg, OutputArg, RefArg, RunArg, ScalarArg, SlotArg,
                    SlotsArg, TensorArg, TensorMeta, ViewArg, ZerosArg)
 from .cache import Challenge, ChallengeReply, Have, HaveReply
@@ -269,10 +272,11 @@ Request = Union[Health, PutGraph, PutTensors, Run, Echo, Flush,  # core (§8.1)
                 Fetch, ExpectHandles, SendHandles, Deliver,  # values that stay on the worker (§18)
                 OpenStore, JoinGroup, LeaveGroup, BroadcastSlots, ReduceGrads,  # process groups (§19)
                 Challenge, Have,  # the disk cache (§20)
-                Stats]  # the operator's view (§21)
+                Stats,  # the operator's view (§21)
+                AttentionChoice]  # the worker's attention kernels (§8.5)
 Reply = Union[HealthReply, Ok, RunReply, EchoReply, ErrorReply, AttachReply, ProfileReply,
               PullReply, NormReply, OptimStateReply, FetchReply, TicketReply, StoreReply,
-              ChallengeReply, HaveReply, StatsReply]
+              ChallengeReply, HaveReply, StatsReply, AttentionChoiceReply]
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

@@ -56,8 +56,12 @@ def draws_random(gm) -> bool:
 
 def _draws(node, target) -> bool:
     """False for a call of a seeded operator that draws nothing, as the graph says: attention with a
-    ``dropout_p`` of 0 (every attention kernel; a model in eval mode calls them so), or a dropout
-    with ``train`` False. (A dropout with p 0 in training still draws: it is kept.)"""
+    ``dropout_p`` of 0 (every attention kernel; a model in eval mode calls them so), a dropout
+    with ``train`` False, or a fused attention kernel's backward (it replays its forward's draws
+    from the seed and offset the forward saved). (A dropout with p 0 in training still draws: it
+    is kept.)"""
+    if target._schema.name.startswith("aten::_scaled_dot_product") and target._schema.name.endswith("_backward"):
+        return False
     for i, arg in enumerate(target._schema.arguments):
         if arg.name not in ("dropout_p", "train"):
             continue

@@ -1,12 +1,11 @@
 """The worker's service: one request message in, one reply message out. No sockets.
 
-:class:`Service` decodes a request (frame 0 and its buffer frames), checks
-it, calls the :class:`~remotorch.worker.worker.Worker` and encodes the reply.
-Every failure becomes an ``ErrorReply`` naming a ``remotorch.errors`` kind and
-the service keeps serving. It also keeps the lease table: which worker-side
-session each connection serves (``Attach``), and which sessions' leases ran
-out (:meth:`Service.reap`). The socket loop (:mod:`remotorch.worker.server`)
-calls it for each message; tests may call it in-process.
+:class:`Service` decodes a request (frame 0 and its buffer frames), checks it, calls the
+:class:`~remotorch.worker.worker.Worker` and encodes the reply. Every failure becomes an
+``ErrorReply`` naming a ``remotorch.errors`` kind and the service keeps serving. It also keeps the
+lease table: which worker-side session each connection serves (``Attach``), and which sessions'
+leases ran out (:meth:`Service.reap`). The socket loop (:mod:`remotorch.worker.server`) calls it
+for each message; tests may call it in-process.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from ..codec.frames import SCALARS, FrameWriter
 from ..errors import (AuthenticationError, InvalidRequestError, LimitExceededError, MissingObjectsError, ProtocolError, RemoteError,
                       RemoteOutOfMemoryError, WorkerError)
 from ..transport import framing
+from .attention import answer as _attention_choice
 from .leases import SESSION_ID, LeaseTable
 from .outputs import Echo
 from .activity import Activity
@@ -446,5 +446,5 @@ _HANDLERS: dict[type, Callable[[Service, object, object, list], Reply]] = {
     m.ExpectHandles: Service._expect_handles, m.SendHandles: Service._send_handles,
     m.OpenStore: Service._open_store, m.JoinGroup: Service._join_group, m.LeaveGroup: Service._leave_group,
     m.BroadcastSlots: Service._broadcast_slots, m.ReduceGrads: Service._reduce_grads,
-    m.Challenge: Service._challenge, m.Have: Service._have,
+    m.Challenge: Service._challenge, m.Have: Service._have, m.AttentionChoice: _attention_choice,
 }

@@ -33,6 +33,7 @@ from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsErr
                       UnsupportedGraphError)
 from . import engines, quota
 from .bindings import Bindings
+from .attention import AttentionChoices
 from .calls import Prepared, Ran, storages
 from .graphs import GraphEntry
 from .rng import Generators
@@ -94,6 +95,7 @@ class Worker:
         self.tenancy = None  # the service's Tenancy: tenant-wide quotas and allowlists (None: no tenants)
         self.disk = disk  # the cache on disk (``serve --cache-dir``): uploads and artifacts across restarts
         self._bindings = Bindings()  # session -> binding id -> argument binding (Run.bind)
+        self.attention = AttentionChoices(self.device, limits.max_tensor_bytes)  # kernels torch picks here
 
     # ------------------------------------------------------------------ sessions
     def _full_graph_id(self, session: object, short: str) -> str:
