@@ -41,11 +41,13 @@ default_runner: Callable[..., GraphRunner | None] | None = None
 
 def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
                       engine: str = "eager", fallback: str = "local", worker: int | str | None = None,
-                      custom_ops: str = "worker", options: dict | None = None):
+                      custom_ops: str = "worker", cuda_graphs: bool = False, options: dict | None = None):
     """Dynamo backend: run every captured graph on a remotorch worker.
 
     ``options`` (from ``torch.compile(..., options=...)``) may set
-    ``session``, ``engine``, ``fallback``, ``worker`` and ``custom_ops``.
+    ``session``, ``engine``, ``fallback``, ``worker``, ``custom_ops`` and
+    ``cuda_graphs`` (the worker records each graph as a CUDA graph and replays
+    it: ``worker/cudagraphs.py``).
     """
     from torch._dynamo.backends.common import aot_autograd
 
@@ -55,6 +57,7 @@ def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
     fallback = opts.pop("fallback", fallback)
     worker = opts.pop("worker", worker)
     custom_ops = opts.pop("custom_ops", custom_ops)
+    cuda_graphs = bool(opts.pop("cuda_graphs", cuda_graphs))
     if opts:
         raise ValueError(f"unknown remotorch backend options: {sorted(opts)}")
     if fallback not in FALLBACKS:
@@ -65,7 +68,7 @@ def remotorch_backend(gm: torch.fx.GraphModule, example_inputs, *, session=None,
     # arguments it takes
     made: list[tuple[RemoteGraph, bool, int]] = []
     make = functools.partial(_compile_aten, session=session, engine=engine, fallback=fallback, worker=worker,
-                             made=made)
+                             made=made, cuda_graphs=cuda_graphs)
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     extra = {"decompositions": custom_decompositions()} if custom_ops == "decompose" else {}
@@ -306,7 +309,7 @@ def _aliased_outputs(kind: str, n_outputs: int) -> tuple[frozenset[int], frozens
 
 def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: str,
                   fallback: str, static: bool, kind: str = "inference", worker=None,
-                  made: list | None = None) -> RemoteGraph:
+                  made: list | None = None, cuda_graphs: bool = False) -> RemoteGraph:
     """aot_autograd compiler hook: wrap one aten graph for remote execution."""
     from ..codec.graph import encode_graph
 
@@ -334,7 +337,7 @@ def _compile_aten(gm: torch.fx.GraphModule, example_inputs, *, session, engine: 
                         unsupported=unsupported,
                         kind=kind, saved_from=_saved_from() if kind == "forward" else None,
                         must_real=must_real, fetch_first=fetch_first, worker=worker,
-                        layouts=_layouts(gm, kind), random=draws_random(gm))
+                        layouts=_layouts(gm, kind), random=draws_random(gm), cuda_graphs=cuda_graphs)
     if made is not None:
         made.append((graph, kind == "inference" and _runs_direct(),
                      sum(1 for n in gm.graph.nodes if n.op == "placeholder")))
@@ -353,7 +356,7 @@ def _layouts(gm: torch.fx.GraphModule, kind: str) -> Layouts | None:
 
 
 def compile(fn, *, session=None, engine: str = "eager", fallback: str = "local", dynamic: bool | None = None,
-            worker: int | str | None = None, custom_ops: str = "worker"):
+            worker: int | str | None = None, custom_ops: str = "worker", cuda_graphs: bool = False):
     """``torch.compile`` with remotorch as the backend, with explicit control.
 
     ``engine`` is the worker-side engine (``"eager"``, ``"inductor"``);
@@ -369,13 +372,17 @@ def compile(fn, *, session=None, engine: str = "eager", fallback: str = "local",
     --allow-ops``) to run; ``"decompose"`` first decomposes those that have a
     registered decomposition into aten operators, here
     (``benchmarks/custom_ops.py`` measures both).
+
+    ``cuda_graphs=True``: a CUDA worker records each graph as a CUDA graph and
+    replays it (``remotorch serve --cuda-graphs`` does for every graph); a graph
+    it cannot record runs as usual, counted in its stats.
     """
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
     if custom_ops not in CUSTOM_OPS:
         raise ValueError(f"custom_ops must be one of {CUSTOM_OPS}, got {custom_ops!r}")
     backend = functools.partial(remotorch_backend, session=session, engine=engine, fallback=fallback,
-                                worker=worker, custom_ops=custom_ops)
+                                worker=worker, custom_ops=custom_ops, cuda_graphs=cuda_graphs)
     if isinstance(fn, torch.nn.Module):
         fn.register_state_dict_pre_hook(_RefreshBeforeStateDict(session))
     return torch.compile(fn, backend=backend, dynamic=dynamic)

@@ -60,7 +60,8 @@ class RemoteGraph:
                  unsupported: RemoteError | None = None, kind: str = "inference",
                  saved_from: int | None = None, must_real: frozenset[int] = frozenset(),
                  fetch_first: frozenset[int] = frozenset(), worker: int | str | None = None,
-                 layouts: Callable[[Sequence], list | None] | None = None, random: bool = False) -> None:
+                 layouts: Callable[[Sequence], list | None] | None = None, random: bool = False,
+                 cuda_graphs: bool = False) -> None:
         # Instance attribute, not class: dynamo wraps backward graphs with
         # functools.wraps, which copies __dict__ and so keeps the boxed convention.
         self._boxed_call = True
@@ -83,6 +84,7 @@ class RemoteGraph:
         self.worker = worker  # which of the runner's workers runs it (None: the first)
         self.layouts = layouts  # args -> each output's layout or value, None when unknown (capture.layout)
         self.random = random  # it draws random numbers (from this process's generator: client.rng)
+        self.cuda_graphs = cuda_graphs  # the worker records it as a CUDA graph (Run.cuda_graphs)
         # what the client learns of the graph while the program runs is the client's own
         # (client.policy.GraphPolicy); nothing here changes after construction
 

@@ -101,7 +101,7 @@ def make_server(args: argparse.Namespace, token: str | None = None):
         engine_names = [e for e in args.engines.split(",") if e] if args.engines else None
         worker = Worker(args.device, name=args.name, price_per_hour=args.price_per_hour,
                         engine_names=engine_names, limits=_limits(args), allow_ops=allow_ops,
-                        group_host=args.group_host, disk=disk)
+                        group_host=args.group_host, disk=disk, cuda_graphs=args.cuda_graphs)
         engines.prewarm([e for e in (args.warm_engines or "").split(",") if e], worker.device)
         tls = _tls(args)
     except (ValueError, OSError) as exc:
@@ -239,6 +239,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                             "worker serves them without a new upload (default: $REMOTORCH_CACHE_DIR, else none)")
     serve.add_argument("--warm-engines", default=None, metavar="E[,E…]", help="load these engines before serving "
                        "(inductor: the first graph of a restarted worker then loads from the disk cache in 0.2 s, not 3)")
+    serve.add_argument("--cuda-graphs", action="store_true", help="record each graph as a CUDA graph on its second "
+                       "run and replay it (graphs it cannot record run as usual, counted in Stats)")
     serve.add_argument("--no-cache", action="store_true", help="no disk cache, whatever the environment says")
     serve.add_argument("--cache-max-gb", type=float, default=20.0,
                        help="size of the disk cache; least recently used entries go first (default 20)")

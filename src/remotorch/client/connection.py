@@ -339,6 +339,8 @@ class Connection:
                     extra["rng"] = rng[0]
             if self.reuse.keep_inputs:
                 extra["keep_inputs"] = self.reuse.keep_inputs
+            if getattr(graph, "cuda_graphs", False):
+                extra["cuda_graphs"] = True
             binds[0] = None
             if plain and resident.id:  # resident arguments by binding (plain: placed is None)
                 if resident.held:

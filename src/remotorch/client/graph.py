@@ -26,3 +26,4 @@ class Graph(Protocol):
     # here (the call then waits for the worker's answer); the attribute itself None: never known
     layouts: Callable[[Sequence], list | None] | None
     random: bool  # it draws random numbers: from this process's generator state (client/rng.py)
+    cuda_graphs: bool  # the worker records it as a CUDA graph and replays it (Run.cuda_graphs)

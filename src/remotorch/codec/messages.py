@@ -125,6 +125,10 @@ class Run(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
     ``take``: handles the run takes: the session drops them before the graph
     runs, so each is freed as soon as the graph has last used it (a backward
     whose autograd graph is not kept takes its saved activations, §17.1).
+
+    ``cuda_graphs``: record the graph as a CUDA graph on its second run and
+    replay it after (a worker started with ``--cuda-graphs`` does for every
+    graph); one it cannot record runs as usual (§8.1).
     """
 
     graph_id: str
@@ -145,6 +149,7 @@ class Run(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
     brief: bool = False
     rng: bytes = b""
     take: list[int] = []
+    cuda_graphs: bool = False
 
 
 def grad_fields(pairs) -> dict:
@@ -251,6 +256,7 @@ class ProfileGraph(msgspec.Struct, frozen=True, tag="profile", omit_defaults=Tru
     args: list[Arg]
     warmups: int = 1
     repeats: int = 10
+    cuda_graphs: bool = False  # as Run.cuda_graphs
 
 
 class ProfileReply(msgspec.Struct, frozen=True, tag="profile_reply", omit_defaults=True):
@@ -262,6 +268,7 @@ class ProfileReply(msgspec.Struct, frozen=True, tag="profile_reply", omit_defaul
     compiled: bool = False  # this request compiled the graph for its engine
     compile_ms: float = 0.0
     worker_ms: float = 0.0  # the worker's wall time for the whole request (network excluded)
+    cuda_graph: str = ""  # with cuda_graphs: "replayed", or why its last run ran uncaptured
 
 
 # ------------------------------------------------------------ every message, once

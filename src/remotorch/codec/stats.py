@@ -60,3 +60,6 @@ class StatsReply(msgspec.Struct, frozen=True, tag="stats_reply", omit_defaults=T
     tenants: list[TenantStats] = []
     slowest: list[GraphStats] = []  # by longest run, at most 10
     recent_errors: list[ErrorStats] = []  # newest last, at most 20
+    # CUDA graphs (``serve --cuda-graphs``, ``Run.cuda_graphs``): "recorded", "replays", and the runs that
+    # went uncaptured, each as "uncaptured: <why>"
+    cuda_graphs: dict[str, int] = {}

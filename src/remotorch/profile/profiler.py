@@ -219,7 +219,7 @@ class Profiler:
                 out[backend] = (BackendRun(error=message, started=started, finished=time.perf_counter()), None, exc)
                 continue
             run = BackendRun(res.times_ms, None, res.compiled, res.compile_ms, res.network_ms,
-                             started=started, finished=time.perf_counter(), clock=res.clock)
+                             started=started, finished=time.perf_counter(), clock=res.clock, cuda_graph=res.cuda_graph)
             out[backend] = (run, res.outputs, None)
         return out
 
@@ -260,6 +260,7 @@ class ProfileResult:
     compile_ms: float
     worker_ms: float  # the worker's time for the whole request
     round_trip_ms: float  # the client's time for the whole request
+    cuda_graph: str = ""  # a worker recording CUDA graphs: "replayed", or why the graph ran uncaptured
 
     @property
     def network_ms(self) -> float:
@@ -275,7 +276,7 @@ def profile_graph(conn: Connection, graph: RemoteGraph, args: list, engine: str,
                              fields=dict(warmups=warmups, repeats=repeats))
     round_trip = (time.perf_counter() - start) * 1e3
     return ProfileResult(unpack_outputs(graph, reply.outputs, frames), list(reply.times_ms), reply.clock,
-                         reply.compiled, reply.compile_ms, reply.worker_ms, round_trip)
+                         reply.compiled, reply.compile_ms, reply.worker_ms, round_trip, reply.cuda_graph)
 
 
 def _now() -> float:

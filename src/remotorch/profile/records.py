@@ -24,6 +24,7 @@ class BackendRun:
     started: float = 0.0  # client clock around the request (shows which requests overlapped)
     finished: float = 0.0
     clock: str = ""  # what timed the runs on the worker: "monotonic", or "cuda_events" on a GPU
+    cuda_graph: str = ""  # a worker recording CUDA graphs: "replayed", or why the graph ran uncaptured
 
 
 @dataclass

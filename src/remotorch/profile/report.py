@@ -121,4 +121,5 @@ def _summary(backend: str, sequences: list[SequenceReport], groups: list[list[Ca
         compile_ms=sum(r.compile_ms for _, r in runs), price_per_hour=price,
         cost_per_million=None if total is None else price * total / 3.6,  # $/h × ms/call ÷ 3.6e6 ms/h × 1e6
         max_abs_diff=max(diffs) if diffs else None,
-        failures=dict(Counter(r.error for _, r in runs if r.error)))
+        failures=dict(Counter(r.error for _, r in runs if r.error)),
+        uncaptured=dict(Counter(r.cuda_graph for _, r in runs if r.cuda_graph not in ("", "replayed"))))

@@ -87,6 +87,8 @@ class BackendSummary:
     cost_per_million: float | None  # $ for 1e6 calls at total_ms, the worker held throughout
     max_abs_diff: float | None  # largest |output - local eager output| over every graph run
     failures: dict[str, int]
+    # graph runs a worker recording CUDA graphs ran uncaptured, by why (``serve --cuda-graphs``)
+    uncaptured: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -75,7 +75,7 @@ class Activity:
             device_memory_total=total, tenants=tenants,
             slowest=[m.GraphStats(g, e, v[0], v[1], round(v[2] / max(v[1], 1), 3), round(v[3], 3))
                      for (g, e), v in slowest],
-            recent_errors=list(self.recent))
+            recent_errors=list(self.recent), cuda_graphs=dict(worker.recordings.counts))
 
 
 def error_of(header: bytes) -> m.ErrorReply | None:

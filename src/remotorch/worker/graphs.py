@@ -21,6 +21,7 @@ from ..codec.rngstate import draws_random
 from ..errors import InvalidRequestError, UnsupportedGraphError
 from . import engines
 from .checks import ArgCheck
+from .cudagraphs import CudaGraphs
 from .disk import DiskCache
 
 
@@ -81,3 +82,15 @@ class GraphEntry:
                                             remote_traceback=traceback.format_exc()) from None
             self.compiled[engine] = fn
             return fn, True
+
+    def recorded(self, engine: str, fn: Callable, device: torch.device, graphs: CudaGraphs,
+                 kept: Callable[[], frozenset[int]]) -> Callable:
+        """``fn`` (this graph compiled for ``engine``) recorded as a CUDA graph on its second call and
+        replayed after (:mod:`remotorch.worker.cudagraphs`); one recording per engine."""
+        key = f"{engine}+cuda_graphs"
+        rec = self.compiled.get(key)
+        if rec is None:
+            with self.lock:
+                rec = self.compiled.get(key) or graphs.wrap(fn, self.decoded.module, device, kept)
+                self.compiled[key] = rec
+        return rec

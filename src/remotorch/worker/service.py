@@ -249,13 +249,13 @@ class Service:
 
     def _profile(self, session, req: m.ProfileGraph, frames) -> Reply:
         start = time.perf_counter()
-        outs, runs, compiled, compile_ms = self.worker.profile(
-            session, req.graph_id, req.engine, req.args, frames, warmups=req.warmups, repeats=req.repeats)
+        outs, runs, compiled, compile_ms, cuda_graph = self.worker.profile(session, req.graph_id, req.engine, req.args,
+            frames, warmups=req.warmups, repeats=req.repeats, cuda_graphs=req.cuda_graphs)
         w = FrameWriter()
         out_args = w.values(outs)
         worker_ms = (time.perf_counter() - start) * 1e3
-        return m.encode(m.ProfileReply(out_args, runs.times_ms, runs.clock, compiled, compile_ms,
-                                       worker_ms)), w.frames
+        return m.encode(m.ProfileReply(out_args, runs.times_ms, runs.clock, compiled, compile_ms, worker_ms,
+                                       cuda_graph)), w.frames
 
     # --------------------------------------------------------------------- runs
     def _run(self, session, req: m.Run, frames) -> Reply:

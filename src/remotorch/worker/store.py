@@ -80,6 +80,11 @@ class SharedStore:
                 freed += entry.nbytes
         return freed
 
+    def values(self) -> list:
+        """Every object held by a session (not those only cached)."""
+        with self._lock:
+            return [e.value for e in self._entries.values()]
+
     def session_keys(self, session: object) -> frozenset[str]:
         """The ids a session holds (a copy)."""
         with self._lock:

@@ -35,6 +35,7 @@ from . import engines, quota
 from .bindings import Bindings
 from .attention import AttentionChoices
 from .calls import Prepared, Ran, storages
+from .cudagraphs import CudaGraphs
 from .graphs import GraphEntry
 from .rng import Generators
 from .guard import guarded, timed_call
@@ -71,7 +72,7 @@ class Worker:
     def __init__(self, device: str | torch.device = "auto", *, name: str = "worker",
                  limits: Limits = Limits(), price_per_hour: float = 0.0,
                  engine_names: list[str] | None = None, allow_ops: frozenset[str] = frozenset(),
-                 group_host: str = "127.0.0.1", disk: DiskCache | None = None) -> None:
+                 group_host: str = "127.0.0.1", disk: DiskCache | None = None, cuda_graphs: bool = False) -> None:
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.name = name
         self.price_per_hour = price_per_hour  # $ per hour of this worker, for cost reports
@@ -96,6 +97,8 @@ class Worker:
         self.disk = disk  # the cache on disk (``serve --cache-dir``): uploads and artifacts across restarts
         self._bindings = Bindings()  # session -> binding id -> argument binding (Run.bind)
         self.attention = AttentionChoices(self.device, limits.max_tensor_bytes)  # kernels torch picks here
+        self.cuda_graphs = cuda_graphs  # record every graph as a CUDA graph (``serve --cuda-graphs``)
+        self.recordings = CudaGraphs()  # what recording did, counted (worker/cudagraphs.py)
 
     # ------------------------------------------------------------------ sessions
     def _full_graph_id(self, session: object, short: str) -> str:
@@ -134,6 +137,10 @@ class Worker:
         if p.tensors:
             self._tensors.release(session, p.tensors)
             self._bindings.unbind(session, p.tensors)
+
+    def kept(self) -> frozenset[int]:
+        """The storages (by address) of what the worker keeps between runs: uploads, parameter slots."""
+        return storages(list(chain(self._tensors.values(), self.trainables.tensors())))
 
     def state_bytes(self, session: object | None = None) -> int:
         """Bytes of kept values, parameters, gradients and optimizer state (one session, or all)."""
@@ -314,7 +321,8 @@ class Worker:
         """
         plan = None if req.saved_from < 0 and not (req.keep or req.grad_slots or req.send) else OutputPlan.of(req)
         grads = grad_slots(self, session, req) if req.grad_slots else {}
-        prep = self._prepare(session, req.graph_id, req.engine, req.args, frames, req.bind, req.bound)
+        prep = self._prepare(session, req.graph_id, req.engine, req.args, frames, req.bind, req.bound,
+                             req.cuda_graphs)
         if req.keep_inputs:
             self._keep_inputs(session, req.keep_inputs, prep.values)
         inputs = storages(prep.values) if grads else frozenset()  # (before the call frees them)
@@ -322,7 +330,7 @@ class Worker:
             self.handles.release(session, req.take)
         else:
             prep.again = lambda: self._prepare(session, req.graph_id, req.engine, req.args, frames, 0,
-                                               req.bound).values
+                                               req.bound, req.cuda_graphs).values
 
         def call():
             return self._guarded(req.engine, lambda: timed_call(prep.fn, prep.hand_over(), self.device))
@@ -338,23 +346,23 @@ class Worker:
             outs = dispose(self, session, plan, outs, inputs, grads, send)
         return Ran(outs, ms, prep.compiled, rng)
 
-    def profile(self, session: object, gid: str, engine: str, args: list, frames, *,
-                warmups: int, repeats: int) -> tuple[list, TimedRuns, bool, float]:
+    def profile(self, session: object, gid: str, engine: str, args: list, frames, *, warmups: int,
+                repeats: int, cuda_graphs: bool = False) -> tuple[list, TimedRuns, bool, float, str]:
         """Run a graph ``warmups`` times untimed, then ``repeats`` times timed, on one engine.
 
-        Returns (outputs of the last run, the timed runs, whether this call
-        compiled the graph for the engine, compile milliseconds). Compiling is
-        never part of the timed runs; the whole series is one run as far as
+        Returns (outputs of the last run, the timed runs, whether this call compiled the graph for the
+        engine, compile milliseconds, with CUDA graphs what its last run did: "replayed", or why it ran
+        uncaptured). Compiling is never part of the timed runs; the whole series is one run as far as
         the request timeout and out-of-memory handling go.
         """
         if not (0 <= warmups <= MAX_WARMUPS and 1 <= repeats <= MAX_REPEATS):
             raise InvalidRequestError(f"warmups must be 0…{MAX_WARMUPS} and repeats 1…{MAX_REPEATS}")
-        prep = self._prepare(session, gid, engine, args, frames)
+        prep = self._prepare(session, gid, engine, args, frames, cuda_graphs=cuda_graphs)
         runs = self._guarded(engine, lambda: time_runs(prep.fn, prep.values, self.device, warmups, repeats))
-        return _as_list(runs.outputs), runs, prep.compiled, prep.compile_ms
+        return _as_list(runs.outputs), runs, prep.compiled, prep.compile_ms, getattr(prep.fn, "state", "")
 
     def _prepare(self, session: object, gid: str, engine: str, args: list, frames, bind: int = 0,
-                 bound: int = 0) -> Prepared:
+                 bound: int = 0, cuda_graphs: bool = False) -> Prepared:
         """The graph, its engine's callable and the argument values, checked; the same for every kind of run.
 
         ``bound``: ``args`` are the arguments binding ``bound`` does not cover
@@ -387,6 +395,8 @@ class Worker:
         start = time.perf_counter()
         fn, compiled = graph.engine_fn(engine, values, offered=self.engines, worker=self.name, device=self.device,
                                        disk=self.disk)
+        if cuda_graphs or self.cuda_graphs:
+            fn = graph.recorded(engine, fn, self.device, self.recordings, self.kept)
         return Prepared(fn, values, compiled, (time.perf_counter() - start) * 1e3 if compiled else 0.0,
                          graph.random)
 
