@@ -149,9 +149,8 @@ class Recorded:
         if any(not isinstance(a, torch.Tensor) for a in args):
             self.skip = "dynamic shapes (a size argument)"
             return self.skip
-        if any(a.device != self.device for a in args):
-            self.skip = "a CPU tensor argument"
-            return self.skip
+        if any(a.device != self.device for a in args):  # (this time: a forward that ran uncaptured made its
+            return "a CPU tensor argument"               # attention seeds on the CPU; recorded, on the device)
         kept = self.kept() | self.graphs.outputs
         recorded = [a if a.untyped_storage().data_ptr() in kept else
                     torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device).copy_(a) for a in args]
