@@ -19,12 +19,13 @@ and ``OUT/gpu_check.json``:
    (losses and parameters within 1e-4). NCCL refuses two ranks on one device:
    the workers then form a gloo group, and the report says which backend the
    workers logged.
-3. **throughput**: GPT-2 with the 124M configuration (random weights) at batch
-   8 x 512 tokens, ``labels=input_ids``: a forward (``torch.no_grad``) and an
-   AdamW training step (``RemoteOptimizer`` against ``torch.optim.AdamW``),
-   each reading its loss (``.item()``) every step, remote from a CPU client
-   (tokens sent each step) against local on the same GPU. Steps per second,
-   median of timed blocks; target remote >= 0.9 x local.
+3. **targets**: GPT-2 with the 124M configuration (random weights) at batch
+   8 x 512 tokens, remote from a CPU client (tokens sent each step) against
+   local on the same GPU: eager against the eager engine and inductor against
+   the inductor engine, float32 and bfloat16 autocast, a forward and an AdamW
+   training step, the two sides timed alternately in one run; target remote
+   >= 0.95 x local, and for a training step the worker's peak device memory
+   <= 1.05 x local's (``benchmarks/gpu_targets.py``).
 4. **profile**: ``remote_profile`` of the small GPT-2's forward on the worker's
    eager and inductor engines: the graph time it reports (CUDA events on the
    worker, per run) beside the wall-clock time of the same call seen from the
@@ -50,7 +51,9 @@ import torch.nn.functional as F
 
 import remotorch
 from remotorch.client.embedded import spawn_worker
-from remotorch.optim import RemoteOptimizer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_targets import part_targets, render_targets  # noqa: E402 (beside this file)
 
 ENGINE_TOL = {"eager": 1e-4, "inductor": 2e-3, "onnxrt": 2e-3, "tensorrt": 2e-2}
 
@@ -152,93 +155,6 @@ def part_data_parallel(workers: Workers) -> dict:
                 backend=backend)
 
 
-def _timed(step, units: int, blocks: int) -> float:
-    """Steps per second: the median over ``blocks`` blocks of ``units`` steps (each reads its loss)."""
-    rates = []
-    for _ in range(blocks):
-        t0 = time.perf_counter()
-        for _ in range(units):
-            step()
-        rates.append(units / (time.perf_counter() - t0))
-    return statistics.median(rates)
-
-
-def _math_rate(step, units: int, blocks: int) -> float:
-    """``step``'s rate with attention as its math (what a client without this GPU's kernels traces)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.MATH]):
-        step()
-        return _timed(step, units, blocks)
-
-
-def part_throughput(workers: Workers, device: str, quick: bool) -> dict:
-    size = dict(n_layer=2, n_embd=64, n_head=2, vocab=500, positions=64) if quick else \
-        dict(n_layer=12, n_embd=768, n_head=12, vocab=50257, positions=1024)
-    batch, seq = (2, 32) if quick else (8, 512)
-    units, blocks = (2, 2) if quick else (5, 3)
-    url = workers.start("throughput")
-    s = workers.session(url)
-    ids = torch.randint(1, size["vocab"], (batch, seq), generator=torch.Generator().manual_seed(2))
-    out = {}
-    # forward
-    model = gpt2(**size).eval()
-    local = copy.deepcopy(model).to(device)
-    local_ids = ids.to(device)
-    remote = remotorch.compile(model, session=s, fallback="raise")
-    with torch.no_grad():
-        def local_fwd():
-            return local(local_ids, labels=local_ids).loss.item()
-
-        def remote_fwd():
-            return remote(ids, labels=ids).loss.item()
-
-        want, got = local_fwd(), remote_fwd()  # (compiles, uploads)
-        remote_fwd()
-        local_rate, remote_rate = _timed(local_fwd, units, blocks), _timed(remote_fwd, units, blocks)
-        local_rate, remote_rate = max(local_rate, _timed(local_fwd, units, blocks)), max(
-            remote_rate, _timed(remote_fwd, units, blocks))  # (alternated: each side's best of two)
-        math_rate = _math_rate(local_fwd, units, blocks)
-    out["forward"] = dict(local_steps_s=local_rate, remote_steps_s=remote_rate, ratio=remote_rate / local_rate,
-                          local_math_steps_s=math_rate, ratio_to_math=remote_rate / math_rate,
-                          loss_local=want, loss_remote=got, status="PASS" if remote_rate >= 0.9 * local_rate else "FAIL")
-    del local, remote
-    torch._dynamo.reset()
-    # training step
-    model = gpt2(**size).train()
-    local = copy.deepcopy(model).to(device)
-    remote = remotorch.compile(model, session=s, fallback="raise")
-    opt = RemoteOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-4, session=s)
-    local_opt = torch.optim.AdamW(local.parameters(), lr=1e-4)
-
-    def local_step():
-        loss = local(local_ids, labels=local_ids).loss
-        loss.backward()
-        local_opt.step()
-        local_opt.zero_grad()
-        return loss.item()
-
-    def remote_step():
-        loss = remote(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.item()
-
-    first_local, first_remote = local_step(), remote_step()
-    remote_step()
-    local_rate, remote_rate = _timed(local_step, units, blocks), _timed(remote_step, units, blocks)
-    local_rate, remote_rate = max(local_rate, _timed(local_step, units, blocks)), max(
-        remote_rate, _timed(remote_step, units, blocks))
-    math_rate = _math_rate(local_step, units, blocks)
-    out["train"] = dict(local_steps_s=local_rate, remote_steps_s=remote_rate, ratio=remote_rate / local_rate,
-                        local_math_steps_s=math_rate, ratio_to_math=remote_rate / math_rate,
-                        first_loss_local=first_local, first_loss_remote=first_remote,
-                        status="PASS" if remote_rate >= 0.9 * local_rate else "FAIL")
-    out["config"] = dict(size, batch=batch, seq=seq, steps_per_block=units, blocks=blocks)
-    return out
-
-
 def part_profile(workers: Workers, device: str) -> dict:
     url = workers.start("gpu")
     s = workers.session(url)
@@ -274,7 +190,7 @@ def part_profile(workers: Workers, device: str) -> dict:
                 status="PASS" if (device != "cuda" or clocks == ["cuda_events"]) else "FAIL")
 
 
-PARTS = ("engines", "data_parallel", "throughput", "profile")
+PARTS = ("engines", "data_parallel", "targets", "profile")
 
 
 def main() -> int:
@@ -312,8 +228,8 @@ def main() -> int:
                 results[part] = part_engines(workers, args.device, args.quick)
             elif part == "data_parallel":
                 results[part] = part_data_parallel(workers)
-            elif part == "throughput":
-                results[part] = part_throughput(workers, args.device, args.quick)
+            elif part == "targets":
+                results[part] = part_targets(workers, gpt2, args.device, args.quick)
             elif part == "profile":
                 results[part] = part_profile(workers, args.device)
         except Exception as exc:
@@ -351,15 +267,8 @@ def render(r: dict) -> str:
     dp = r.get("data_parallel", {})
     lines += ["", f"DataParallel, 2 workers on one GPU: {dp.get('status')} (backend {dp.get('backend', '?')}; "
               f"loss differences {dp.get('loss_diffs', dp.get('error'))}; parameters {dp.get('param_max_diff')})"]
-    t = r.get("throughput", {})
-    lines += ["", f"throughput ({t.get('config', t.get('error'))}):", "",
-              "| step | local steps/s | remote steps/s | remote / local | target >= 0.9 "
-              "| local, math attention, steps/s | remote / local math |", "|---|---|---|---|---|---|---|"]
-    for k in ("forward", "train"):
-        row = t.get(k)
-        if row:
-            lines.append(f"| {k} | {row['local_steps_s']:.2f} | {row['remote_steps_s']:.2f} | {row['ratio']:.3f} | "
-                         f"{row['status']} | {row['local_math_steps_s']:.2f} | {row['ratio_to_math']:.3f} |")
+    t = r.get("targets", {})
+    lines += [""] + render_targets(t)
     pr = r.get("profile", {})
     lines += ["", f"remote_profile: clocks {pr.get('clocks', pr.get('error'))}; calls {pr.get('calls')}", "",
               "| engine | graph ms (worker, reported) | call ms (client wall clock) |", "|---|---|---|"]

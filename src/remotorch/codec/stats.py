@@ -57,6 +57,7 @@ class StatsReply(msgspec.Struct, frozen=True, tag="stats_reply", omit_defaults=T
     host_memory_bytes: int
     device_memory_bytes: int = 0
     device_memory_total: int = 0
+    device_memory_peak: int = 0  # CUDA workers: the most allocated at once since the worker started
     tenants: list[TenantStats] = []
     slowest: list[GraphStats] = []  # by longest run, at most 10
     recent_errors: list[ErrorStats] = []  # newest last, at most 20

@@ -59,9 +59,9 @@ class Activity:
         worker = service.worker
         memory = worker.memory()
         device = worker.device
-        allocated = total = 0
+        allocated = total = peak = 0
         if device.type == "cuda":
-            allocated = torch.cuda.memory_allocated(device)
+            allocated, peak = torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
             total = torch.cuda.get_device_properties(device).total_memory
         sessions = sessions_by_tenant(service)
         names = sorted(set(sessions) | set(self.tenants))
@@ -72,7 +72,7 @@ class Activity:
             requests=self.requests, errors=self.errors, connections=len(service._connections),
             resident_bytes=memory["tensor_bytes"] + memory["graph_bytes"] + memory["state_bytes"],
             cached_bytes=memory["cached_bytes"], host_memory_bytes=rss(), device_memory_bytes=allocated,
-            device_memory_total=total, tenants=tenants,
+            device_memory_total=total, device_memory_peak=peak, tenants=tenants,
             slowest=[m.GraphStats(g, e, v[0], v[1], round(v[2] / max(v[1], 1), 3), round(v[3], 3))
                      for (g, e), v in slowest],
             recent_errors=list(self.recent), cuda_graphs=dict(worker.recordings.counts))
