@@ -199,6 +199,9 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true", help="small models and few steps (a check of the script)")
     p.add_argument("--parts", default=",".join(PARTS))
+    p.add_argument("--targets", default="eager,graphs,inductor",
+                   help="the targets part's remote sides: eager, graphs (eager with --cuda-graphs), inductor")
+    p.add_argument("--dtypes", default="fp32,bf16", help="the targets part's dtypes: fp32, bf16")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -229,7 +232,7 @@ def main() -> int:
             elif part == "data_parallel":
                 results[part] = part_data_parallel(workers)
             elif part == "targets":
-                results[part] = part_targets(workers, gpt2, args.device, args.quick)
+                results[part] = part_targets(workers, gpt2, args.device, args.quick, args.targets, args.dtypes)
             elif part == "profile":
                 results[part] = part_profile(workers, args.device)
         except Exception as exc:

@@ -3,8 +3,9 @@
 GPT-2 with the 124M configuration (random weights), batch 8 x 512 tokens, ``labels=input_ids``,
 for each local side and its remote counterpart:
 
-* local eager against the worker's ``eager`` engine; local ``torch.compile`` (inductor) against
-  the worker's ``inductor`` engine;
+* local eager against the worker's ``eager`` engine, without and with CUDA graphs (a worker
+  started with ``--cuda-graphs``); local ``torch.compile`` (inductor) against the worker's
+  ``inductor`` engine;
 * float32, and bfloat16 autocast (local: ``torch.autocast("cuda")``; remote: a CPU client traces
   under its own device's autocast, ``torch.autocast("cpu")``: CUDA's autocast does not reach a
   CPU trace, so its graphs are not CUDA autocast's);
@@ -60,6 +61,12 @@ def _worker_peak(session) -> int:
     return reply.device_memory_peak
 
 
+def _counts(session) -> dict:
+    """What the worker's CUDA graphs did (recorded, replays, uncaptured runs by why)."""
+    reply, _ = session.connection_for(None).request(m.Stats(), expect=m.StatsReply)
+    return dict(reply.cuda_graphs)
+
+
 def _steps(model, ids, engine: str, dtype: str, kind: str, device: str, session):
     """(local step, remote step) for one configuration, each reading its loss."""
     local = copy.deepcopy(model).to(device)
@@ -96,12 +103,14 @@ def _steps(model, ids, engine: str, dtype: str, kind: str, device: str, session)
     return local_train, remote_train
 
 
-def measure(workers, gpt2, device: str, quick: bool, engine: str, dtype: str, kind: str) -> dict:
+def measure(workers, gpt2, device: str, quick: bool, engine: str, dtype: str, kind: str,
+            cuda_graphs: bool = False) -> dict:
     """One row: both sides' steps per second (and, for a training step on CUDA, both peaks)."""
     size = QUICK if quick else FULL
     batch, seq = (2, 32) if quick else (8, 512)
     units, blocks = (2, 2) if quick else (5, 3)
-    session = workers.session(workers.start(f"{engine}-{dtype}-{kind}"))
+    extra = ("--cuda-graphs",) if cuda_graphs else ()
+    session = workers.session(workers.start(f"{engine}{'-graphs' if cuda_graphs else ''}-{dtype}-{kind}", *extra))
     ids = torch.randint(1, size["vocab"], (batch, seq), generator=torch.Generator().manual_seed(2))
     torch._dynamo.reset()
     model = gpt2(**size).train(kind == "train")
@@ -113,10 +122,13 @@ def measure(workers, gpt2, device: str, quick: bool, engine: str, dtype: str, ki
     first = (local_step(), remote_step())  # compiles, uploads
     local_step(), remote_step()
     local_rate, remote_rate = _alternated(local_step, remote_step, units, blocks)
-    row = dict(local="torch.compile (inductor)" if engine == "inductor" else "eager", engine=engine, dtype=dtype,
+    row = dict(local="torch.compile (inductor)" if engine == "inductor" else "eager",
+               engine=engine + (" + CUDA graphs" if cuda_graphs else ""), dtype=dtype,
                step=kind, local_steps_s=local_rate, remote_steps_s=remote_rate, ratio=remote_rate / local_rate,
                first_loss_local=first[0], first_loss_remote=first[1],
                status="not judged (quick)" if quick else "PASS" if remote_rate >= TARGET_SPEED * local_rate else "FAIL")
+    if cuda_graphs:
+        row["cuda_graphs"] = _counts(session)
     if device == "cuda" and kind == "train":
         local_peak = torch.cuda.max_memory_allocated() - base
         worker_peak = _worker_peak(session)
@@ -126,19 +138,24 @@ def measure(workers, gpt2, device: str, quick: bool, engine: str, dtype: str, ki
     return row
 
 
-def part_targets(workers, gpt2, device: str, quick: bool) -> dict:
-    """Every row of the targets table (a failing row is reported and the others still run)."""
-    engines = ("eager",) if quick else ("eager", "inductor")
-    dtypes = ("fp32",) if quick else ("fp32", "bf16")
+SIDES = {"eager": ("eager", False), "graphs": ("eager", True), "inductor": ("inductor", False)}
+
+
+def part_targets(workers, gpt2, device: str, quick: bool, sides: str = "eager,graphs,inductor",
+                 dtypes: str = "fp32,bf16") -> dict:
+    """The rows of the targets table for ``sides`` (of :data:`SIDES`) and ``dtypes`` (a failing row is
+    reported and the others still run)."""
+    engines = [SIDES["eager"]] if quick else [SIDES[k] for k in sides.split(",") if k]
+    dtypes = ("fp32",) if quick else tuple(d for d in dtypes.split(",") if d)
     rows = []
-    for engine in engines:
+    for engine, graphs in engines:
         for dtype in dtypes:
             for kind in ("forward", "train"):
                 try:
-                    rows.append(measure(workers, gpt2, device, quick, engine, dtype, kind))
+                    rows.append(measure(workers, gpt2, device, quick, engine, dtype, kind, graphs))
                 except Exception as exc:  # reported; the next configuration runs
-                    rows.append(dict(engine=engine, dtype=dtype, step=kind, status="FAIL",
-                                     error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"))
+                    rows.append(dict(engine=engine + (" + CUDA graphs" if graphs else ""), dtype=dtype, step=kind,
+                                     status="FAIL", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"))
                 torch._dynamo.reset()
     size = QUICK if quick else FULL
     return dict(rows=rows, config=dict(size, batch=2 if quick else 8, seq=32 if quick else 512),
@@ -160,4 +177,8 @@ def render_targets(t: dict) -> list[str]:
                if "memory_ratio" in r else " | | | ")
         lines.append(f"| {r['local']} | {r['engine']} | {r['dtype']} | {r['step']} | {r['local_steps_s']:.2f} | "
                      f"{r['remote_steps_s']:.2f} | {r['ratio']:.3f} | {r['status']} | {mem} |")
+    graphs = [r for r in t.get("rows", []) if r.get("cuda_graphs")]
+    if graphs:
+        lines += ["", "CUDA graphs on the worker: " + "; ".join(f"{r['dtype']} {r['step']}: {r['cuda_graphs']}"
+                                                         for r in graphs)]
     return lines

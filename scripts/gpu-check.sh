@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# remotorch on a CUDA machine, end to end, in one run (about 15 minutes on one H100):
+# remotorch on a CUDA machine, end to end, in one run (its longest part is the targets: each
+# inductor row compiles GPT-2 124M on both sides; --targets and --dtypes choose the rows):
 #
-#   bash scripts/gpu-check.sh [OUT] [--device cpu] [--quick] [--parts P,P]
+#   bash scripts/gpu-check.sh [OUT] [--device cpu] [--quick] [--parts P,P] [--targets S,S] [--dtypes D,D]
 #
 #   1. set-up: an interpreter whose torch sees a CUDA device: $PYTHON, else python3
 #      when its torch does, else a virtualenv (.venv-gpu) with the CUDA build of
@@ -34,7 +35,7 @@ while [[ $# -gt 0 ]]; do
         --device) device="${2:?--device takes cpu or cuda}"; passed+=(--device "$2"); shift 2 ;;
         --device=*) device="${1#--device=}"; passed+=(--device "$device"); shift ;;
         --quick) passed+=(--quick); shift ;;
-        --parts) passed+=(--parts "${2:?--parts takes a list}"); shift 2 ;;
+        --parts|--targets|--dtypes) passed+=("$1" "${2:?$1 takes a list}"); shift 2 ;;
         -h|--help) sed -n '2,30p' "${BASH_SOURCE[0]}"; exit 0 ;;
         -*) echo "gpu-check: unknown option $1" >&2; exit 2 ;;
         *) out="$1"; shift ;;
