@@ -18,6 +18,7 @@ from .client.session import Session, default_session
 from .client.stream import QueueLimits
 from .client.trace import trace
 from .capture import backend as _backend
+from .capture import eager as _capture_eager
 from .training.client import TrainingClient as _TrainingClient
 from .training.clip import install as _install_clip
 from .training.writes import install_optimizer_hooks as _install_optimizer_hooks, mark_changed
@@ -55,6 +56,7 @@ def __getattr__(name: str):
 _register_backend()
 # the root wires the parts that must not import each other
 _backend.default_runner = default_session  # what captured graphs run on when no session is given
+_capture_eager.install()  # eager calls on values kept on a worker become graphs (client never imports capture)
 Session.make_trainer = _TrainingClient  # how a session trains on a worker (client never imports training)
 _install_optimizer_hooks()  # any torch.optim step, fused ones included, marks what it wrote
 _install_clip()  # torch.nn.utils.clip_grad_norm_ over gradients a RemoteOptimizer keeps on its worker

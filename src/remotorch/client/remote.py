@@ -70,7 +70,7 @@ class RemoteRef:
     """
 
     __slots__ = ("handle", "conn", "policy", "index", "copies", "launched", "recompute", "root", "views",
-                 "__weakref__")
+                 "written", "__weakref__")
 
     def __init__(self, handle: int, conn: Connection, policy=None, index: int = -1, launched=None) -> None:
         self.handle = handle
@@ -82,6 +82,7 @@ class RemoteRef:
         self.recompute = None  # a values.Recompute: how to make the value here if its worker is gone
         self.root: weakref.ref | None = None  # the placeholder of the whole value (its views hold it)
         self.views: list[weakref.ref] = []  # lazy views of it (they share its local buffer)
+        self.written = False  # an eager call wrote into the worker's value (a reply's copy of it is stale)
 
     def __del__(self) -> None:
         # runs in garbage collection, on any thread: only queue appends
@@ -274,6 +275,10 @@ def _eager(func, args, kwargs):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     pending = _pending_among(args, kwargs)
+    if OP_HOOK and pending and func not in _AS_PLAIN:  # the call runs on the worker (client.eager)
+        out = OP_HOOK[0](func, args, kwargs, pending)
+        if out is not NotImplemented:
+            return out
     # (never for _AS_PLAIN: trying __deepcopy__ on the meta twin would leave the twin's copy in the
     # memo under an id() that the plain tensor below may reuse, and deepcopy would return it)
     # (a gradient's placeholder reads itself in any operation, views included: no lazy view of it)
@@ -323,6 +328,7 @@ def _call_plain(func, args, kwargs):
 
 
 _EAGER: list = []
+OP_HOOK: list = []  # client.eager.on_op once a session installed it: eager calls queued to the worker
 
 
 def _dynamo_hooks():

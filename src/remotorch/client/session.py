@@ -14,6 +14,7 @@ session's training client, which :mod:`remotorch.training` provides.
 from __future__ import annotations
 
 import threading
+import weakref
 from functools import partial
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, overload
@@ -26,6 +27,7 @@ from ..config import from_env, parse_spin_us
 from ..transport import Transport
 from .connection import Connection, ContentIds, Graph
 from .stream import QueueLimits
+from .eager import install as install_eager
 from .embedded import EmbeddedWorker
 from .progress import upload_bar
 from .runner import GraphRunner, Trainer
@@ -103,6 +105,12 @@ class Session(GraphRunner):
     ``remotorch`` logger set above ``WARNING`` turns that off), always
     (True) or never (False).
 
+    ``eager_remote`` (default on): an eager torch call outside a compiled
+    region whose arguments include a value kept on a worker runs on that
+    worker, queued without waiting, its result a placeholder at once
+    (:mod:`remotorch.client.eager`); only a read waits. Off, such a call reads
+    its arguments and runs here (for debugging).
+
     ``transport`` replaces the first worker's socket transport (an in-memory
     one in unit tests).
     """
@@ -119,7 +127,7 @@ class Session(GraphRunner):
                  keep_min_bytes: int = 1024, blocking: bool | None = None, queue: QueueLimits | None = None,
                  allow_ops: str | Sequence[str] | None = None,
                  worker_imports: str | Sequence[str] | None = None, progress: bool | None = None,
-                 fetch_on_close: bool = True) -> None:
+                 fetch_on_close: bool = True, eager_remote: bool = True) -> None:
         env = from_env()
         urls = split_urls(url)
         if urls == [None]:
@@ -129,6 +137,9 @@ class Session(GraphRunner):
         self.keep_outputs = keep_outputs
         self.keep_min_bytes = keep_min_bytes
         self.fetch_on_close = fetch_on_close
+        self.eager_remote = eager_remote
+        if eager_remote:
+            install_eager()
         self.blocking = env.launch_blocking if blocking is None else blocking
         self._token = token if token is not None else env.token
         self._tokens = dict(tokens or {})
@@ -152,6 +163,7 @@ class Session(GraphRunner):
         def make(u: str | None) -> Connection:
             given = first.pop() if first else None
             conn = Connection(lambda: self._locate(u), ids=self.ids, transport=given, **options)
+            conn.eager_remote, conn.runner = self.eager_remote, weakref.ref(self)  # (client.eager)
             if progress is not False:
                 conn.upload_progress = partial(upload_bar, enabled=True) if progress else upload_bar
             return conn
@@ -258,7 +270,7 @@ class Session(GraphRunner):
         out = dict(remote_calls=0, fallbacks=self._fallbacks, graphs_uploaded=0, tensors_uploaded=0,
                    graphs_recalled=0, tensors_recalled=0, remote_ms=0.0, values_fetched=0, values_moved=0,
                    bytes_sent=0, bytes_received=0, messages_sent=0, blocking_reads=0, queue_waits=0,
-                   requests_queued=0)
+                   requests_queued=0, eager_ops=0)
         for conn in self.pool.opened:
             if not conn.closed:
                 conn.link.poll()  # replies already here count (a launched call is counted when answered)
@@ -328,7 +340,9 @@ class Session(GraphRunner):
         return trainer
 
     def connection_for(self, worker: int | str | None) -> Connection:
-        """The connection of a worker given by index or name (None: the first)."""
+        """The connection of a worker given by index or name (None: the first), or the connection given."""
+        if isinstance(worker, Connection):  # (an eager call's graph runs where its values are: client.eager)
+            return worker
         if worker is None or worker == 0:
             return self.connection
         if isinstance(worker, int):
