@@ -63,11 +63,11 @@ def test_a_reply_that_is_read_is_not_held_behind_the_requests_after_it(holding, 
     for _ in range(2):  # its output is read, late: from now on its value comes back in the run's reply
         y = slow(X)
         slow(X)
-        y.sum().item()
+        y.numpy()  # (a read of the value itself: an eager call on it would run behind the second call)
     s.synchronize()  # (the worker is still running the loop's last call)
     started = time.perf_counter()
     y = slow(X)
     slow(X)  # HOLD_S more on the worker, sent before the read
-    y.sum().item()
+    y.numpy()
     waited = time.perf_counter() - started
     assert HOLD_S <= waited < 2 * HOLD_S, waited  # the reply came when its run ended, not after the next one

@@ -24,8 +24,9 @@ depends on the data turned into a Python number), one whose result aliases
 several arguments, or one fake tensors cannot run is :data:`LOCAL`: the
 client reads its remote arguments and runs it here, as before. One that
 touches no data (``register_hook``) is :data:`PLAIN`. A call that fake
-tensors refuse the way torch refuses it (a shape mismatch) raises that error
-at once.
+tensors refuse is tried once on the stand-ins' own buffers (allocated, never
+written): one torch refuses for its arguments' sizes or types (a shape
+mismatch) raises torch's own error there, at once, before any element is read.
 """
 
 from __future__ import annotations
@@ -42,11 +43,6 @@ from ..codec.rngstate import draws_random
 from ..errors import UnsupportedGraphError
 from .graph import RemoteGraph, output_devices
 from .layout import Layouts
-
-# fake tensors refuse these calls for a reason of their own, not the call's: read and run here
-_FAKE_ONLY = ("tensor subclass", "FakeTensor", "fake tensor", "meta tensor", "data pointer", "Cannot access",
-              "not implemented", "NotImplemented", "storage", "does not have a meta", "unbacked", "symbolic")
-
 
 class _NotRemote(Exception):
     """The call cannot run as a graph on the worker (see the module docstring)."""
@@ -78,10 +74,10 @@ def compile_op(func, leaves: list, shape, session, conn) -> OpGraph | object:
         gm = _trace(func, leaves, shape, where, fakes, seen)
     except _NotRemote:
         return LOCAL
-    except Exception as exc:  # noqa: BLE001 (sorted below: torch's refusal, or the fakes' own)
-        if _fake_only(exc):
-            return LOCAL
-        raise
+    except Exception as exc:  # noqa: BLE001 (torch's own refusal, or the fakes')
+        if not _fake_only(exc):
+            _refused_here(func, leaves, shape)  # raises torch's own error, as eager words it
+        return LOCAL
     if not seen["ops"]:
         return PLAIN if not seen["mutated"] and not seen["fresh"] else LOCAL
     grad = torch.is_grad_enabled()
@@ -141,12 +137,17 @@ def _fake_only(exc: BaseException) -> bool:
     kinds = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
              fake_tensor.UnsupportedOperatorException, fake_tensor.UnsupportedFakeTensorException,
              NotImplementedError)
-    if isinstance(exc, kinds):
-        return True
-    if not isinstance(exc, (RuntimeError, ValueError, TypeError, IndexError)):
-        return True
-    text = str(exc)
-    return any(s in text for s in _FAKE_ONLY) or type(exc).__module__.startswith("torch.fx")
+    return isinstance(exc, kinds) or not isinstance(exc, (RuntimeError, ValueError, TypeError, IndexError))
+
+
+def _refused_here(func, leaves: list, shape) -> None:
+    """Run the call here on the stand-ins' own buffers (allocated, never written): a call torch refuses
+    for its arguments' sizes or types (what fake tensors refused) raises torch's own error, as eager
+    words it, before it reads any element; one it runs was refused by the fakes alone (then the
+    caller reads the values and runs it here)."""
+    args, kwargs = unflatten(list(leaves), shape)
+    with torch._C.DisableTorchFunctionSubclass():
+        func(*args, **kwargs)
 
 
 def _name(gm: torch.fx.GraphModule, func) -> str:

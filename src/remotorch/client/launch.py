@@ -166,6 +166,7 @@ def launch(conn, graph: Graph, args: Sequence, plan: Plan, *, fields: dict | Cal
     :class:`~remotorch.client.stream.Launched`."""
     launched = Launched(getattr(graph, "label", "") or f"graph {graph.graph_id[:12]}", plan.on_reply, m.RunReply, makes=tuple(
         ("h", h) for h in plan.ids.values()), origin=origin.here(), step=step, on_read=on_read)
+    launched.coalesce = getattr(graph, "eager_op", False)  # an eager call's: it may leave with the next ones
     outs = plan.outputs(launched)
 
     def all_fields() -> dict:

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from .. import errors
 from . import origin as origins
 from . import trace
+from .coalesce import Coalesced, fail_each
 from .depth import StepPipe
 from .launched import Launched, root
 
@@ -106,10 +107,36 @@ class Stream:
         self.name = ""  # the worker's, on trace tracks
         # before a wait: a request to send first and wait for too (the random generator's state), or None
         self.before_wait: Callable[[], Launched | None] | None = None
+        self.coalesced: Coalesced | None = None  # eager calls kept to leave together (client.coalesce)
 
     # ------------------------------------------------------------------ sending
+    def queue(self, body, frames: Sequence, launched: Launched, pending) -> Launched:
+        """An eager call: kept to leave with the next ones as one message (:mod:`remotorch.client.coalesce`),
+        with ``pending``, the housekeeping due before it."""
+        if self.coalesced is None:
+            self.coalesced = Coalesced()
+        self.requests_queued += 1
+        if self.coalesced.add(body, frames, launched, pending):  # (full: it leaves now)
+            self.flush()
+        return launched
+
+    def flush(self) -> None:
+        """Send the eager calls kept to leave together, if there are any (one message)."""
+        batch, self.coalesced = self.coalesced, None
+        if batch is None:
+            return
+        body, frames, launched = batch.message(self._failed, self.name)
+        try:
+            self.launch(body, frames, launched)
+        except errors.RemoteError as exc:  # not sent at all: each call fails with it, raised at its read
+            self._failed(launched, exc)
+            return
+        batch.sent(launched, self.name)
+
     def launch(self, body, frames: Sequence, launched: Launched) -> Launched:
         """Send a request; its reply is read later (see :meth:`wait`)."""
+        if self.coalesced is not None:  # eager calls queued before it leave first
+            self.flush()
         # the header first: it takes the housekeeping queued so far. Making room reads earlier replies,
         # which may release a handle this very request names (a placeholder filled meanwhile); that
         # release must ride on the next request, not on this one
@@ -156,6 +183,8 @@ class Stream:
         mode and a trace take that path.) ``what`` names it in errors (by
         default the request's type).
         """
+        if self.coalesced is not None:
+            self.flush()
         if self.inflight or self._exchange is None or self.blocking or trace.ACTIVE:
             launched = self._made(body, expect, what)
             self.launch(body, frames, launched)
@@ -236,6 +265,8 @@ class Stream:
         here (a read may depend on them); ``launched``'s own error is not
         (the caller raises it where its value is used).
         """
+        if self.coalesced is not None:
+            self.flush()
         also = self.before_wait() if self.before_wait is not None else None
         if read and launched.on_read is not None:  # at once: nothing sent since, and soon
             on_read, launched.on_read = launched.on_read, None
@@ -255,6 +286,8 @@ class Stream:
 
     def sync(self) -> None:
         """Wait for every reply; raise the first failure not raised yet (and say how many more)."""
+        if self.coalesced is not None:
+            self.flush()
         if self.before_wait is not None:
             self.before_wait()
         if self.inflight:
@@ -340,6 +373,8 @@ class Stream:
                     tracer.answered(self.name, launched)
 
     def _failed(self, launched: Launched, exc: errors.RemoteError) -> None:
+        if launched.subs:  # eager calls sent together: each of them failed (none ran, or none was answered)
+            return fail_each(launched, exc, self._failed)
         if isinstance(exc, errors.MissingObjectsError):
             root = self._root_of(exc)
             if root is not None:
@@ -396,11 +431,11 @@ class Stream:
         error = copy.copy(exc)  # its type: unavailable, refused, ...
         error.message = f"{exc.message}; lost with it: {lost}{more}"
         error.args = (error.message,)
+        error.launched_root = todo[0]  # one failure: reported once, whichever is read
         for launched in todo:
             self.inflight.remove(launched)
             self._leave(launched)
             self._failed(launched, copy.copy(error))
-            launched.error.launched_root = todo[0]  # one failure: reported once, whichever is read
             launched.effect = True  # every later read must hear of it: state on the worker is gone
             launched.done = True
 

@@ -256,6 +256,33 @@ class ProfileReply(msgspec.Struct, frozen=True, tag="profile_reply", omit_defaul
     worker_ms: float = 0.0  # the worker's wall time for the whole request (network excluded)
 
 
+# ------------------------------------------------- eager calls queued together (§18.4)
+class Runs(msgspec.Struct, frozen=True, tag="runs", omit_defaults=True):
+    """Run these graphs in order, each as its ``Run`` says, each after its own housekeeping.
+
+    An eager torch call on a value kept on the worker is one small ``Run``
+    (``remotorch.client.eager``); the client sends those it queues back to
+    back as one message. ``frames``: how many of the message's buffer frames
+    each run takes, in order (empty: none takes any); ``housekeeping``: each
+    run's deferred housekeeping (a ``Pending``, or nil), applied just before
+    it, as an envelope's is before its request (empty: none has any).
+    """
+
+    runs: list[Run]
+    frames: list[int] = []
+    housekeeping: list[Union[Pending, None]] = []
+
+
+class RunsReply(msgspec.Struct, frozen=True, tag="runs_reply", omit_defaults=True):
+    """What each run of a ``Runs`` came to: its time, and, for a run with more to say than an empty
+    brief reply (values, the generator's changes, a compile, a failure), that reply by its index (a
+    failed run: its ``ErrorReply``; the runs after it still ran). Buffer frames: every run's values,
+    numbered across the message."""
+
+    run_ms: list[float]
+    said: dict[int, Union[RunReply, ErrorReply]] = {}
+
+
 # ------------------------------------------------------------ every message, once
 Request = Union[Health, PutGraph, PutTensors, Run, Echo, Flush,  # core (§8.1)
                 Attach, Heartbeat, Detach, ProfileGraph,  # sessions (§8.4), profiling (§8.3)
@@ -264,10 +291,11 @@ Request = Union[Health, PutGraph, PutTensors, Run, Echo, Flush,  # core (§8.1)
                 Fetch, ExpectHandles, SendHandles, Deliver,  # values that stay on the worker (§18)
                 OpenStore, JoinGroup, LeaveGroup, BroadcastSlots, ReduceGrads,  # process groups (§19)
                 Challenge, Have,  # the disk cache (§20)
-                Stats]  # the operator's view (§21)
+                Stats,  # the operator's view (§21)
+                Runs]  # eager calls queued together (§18.4)
 Reply = Union[HealthReply, Ok, RunReply, EchoReply, ErrorReply, AttachReply, ProfileReply,
               PullReply, NormReply, OptimStateReply, FetchReply, TicketReply, StoreReply,
-              ChallengeReply, HaveReply, StatsReply]
+              ChallengeReply, HaveReply, StatsReply, RunsReply]
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

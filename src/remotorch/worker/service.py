@@ -24,11 +24,11 @@ import torch
 
 from ..codec import messages as m
 from ..codec.frames import SCALARS, FrameWriter
-from ..errors import (AuthenticationError, InvalidRequestError, LimitExceededError, MissingObjectsError, ProtocolError, RemoteError,
+from ..errors import (AuthenticationError, InvalidRequestError, LimitExceededError, ProtocolError, RemoteError,
                       RemoteOutOfMemoryError, WorkerError)
 from ..transport import framing
 from .leases import SESSION_ID, LeaseTable
-from .outputs import Echo
+from .runs import error_of, run_reply, serve_runs
 from .activity import Activity
 from .replay import Replays
 from .tenancy import Tenancy
@@ -39,22 +39,13 @@ from .worker import Worker
 log = logging.getLogger(__name__)
 
 Reply = tuple[bytes, list]
-_WIRE = (m.HandleArg, m.KeptArg, m.ScalarArg)  # outputs the worker disposed of (the rest travel inline)
 _LIVENESS = (m.Attach, m.Heartbeat, m.Detach)  # never refused for a tenant's request rate
 _OK = m.encode(m.Ok())  # one object: an acknowledgement is told by it
 
 
 def error_reply(exc: RemoteError) -> bytes:
     """A typed failure as the reply header (missing objects listed, for the client to re-upload)."""
-    if isinstance(exc, MissingObjectsError):
-        return m.encode(m.ErrorReply(exc.kind, exc.message, exc.remote_traceback, exc.graphs, exc.tensors,
-                                     exc.handles, exc.slots, exc.optims, exc.bindings))
-    return m.encode(m.ErrorReply(exc.kind, exc.message, exc.remote_traceback))
-
-
-def _answer(o, w: FrameWriter):
-    """An output that travels in the reply: kept and echoed, a tensor inline, or a scalar."""
-    return m.EchoArg(o.id, w.meta(o.tensor)) if type(o) is Echo else w.value(o)
+    return m.encode(error_of(exc))
 
 
 def _ok() -> Reply:
@@ -263,15 +254,17 @@ class Service:
         ran = self.worker.run(session, req, frames, self._send)
         self.last_run = (req.engine, ran.ms)
         w = FrameWriter()
-        value = w.value
-        if req.brief:  # only what the client does not know: values, and outputs not disposed of as planned
-            at = [i for i, o in enumerate(ran.outputs) if not isinstance(o, _WIRE) and o is not None]
-            outputs = [_answer(ran.outputs[i], w) for i in at]
-            header = m.encode(m.RunReply(outputs, ran.ms, ran.compiled, at, ran.rng or []))
-            self.last_quiet = not outputs and not ran.rng  # (nothing after this can fail: not an error's)
-            return header, w.frames
-        outputs = [o if isinstance(o, _WIRE) else _answer(o, w) for o in ran.outputs]
-        return m.encode(m.RunReply(outputs, ran.ms, ran.compiled, rng=ran.rng or [])), w.frames
+        reply = run_reply(ran, req.brief, w)
+        # a brief reply with no value (nothing after this can fail: not an error's) only acknowledges
+        self.last_quiet = req.brief and not reply.outputs and not reply.rng
+        return m.encode(reply), w.frames
+
+    def _runs(self, session, req: m.Runs, frames) -> Reply:
+        """Eager calls queued together (§18.4): each run in order, one reply for all."""
+        reply, out = serve_runs(self.worker, session, req, frames, self._send)
+        self.last_run = ("eager", sum(reply.run_ms))
+        self.last_quiet = not reply.said
+        return m.encode(reply), out
 
     def _send(self, url: str, ticket_id: bytes, secret: bytes, tensors: list) -> None:
         self.peers.send(url, ticket_id, secret, tensors, timeout=self.peer_timeout_s, tls_ca=self.peer_tls_ca)
@@ -436,7 +429,8 @@ class Service:
 
 _HANDLERS: dict[type, Callable[[Service, object, object, list], Reply]] = {
     m.Health: Service._health, m.Stats: Service._stats, m.Echo: Service._echo, m.PutGraph: Service._put_graph,
-    m.PutTensors: Service._put_tensors, m.Run: Service._run, m.ProfileGraph: Service._profile,
+    m.PutTensors: Service._put_tensors, m.Run: Service._run, m.Runs: Service._runs,
+    m.ProfileGraph: Service._profile,
     m.BindSlots: Service._bind_slots,
     m.AccumulateGrads: Service._accumulate_grads, m.PullSlots: Service._pull_slots,
     m.OptimCreate: Service._optim_create, m.OptimStep: Service._optim_step,
