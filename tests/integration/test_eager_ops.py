@@ -281,3 +281,29 @@ def test_an_ema_of_kept_values_stays_on_the_worker_and_equals_local(s):
     assert after["bytes_received"] - before["bytes_received"] < 4 << 10
     for e, w in zip(ema, want_ema):
         assert torch.equal(e, w)
+
+
+def test_sampling_generate_on_a_compiled_model_moves_no_logits_back(session):
+    """HF ``generate(do_sample=True)``: the logits stay on the worker, and the sampling (temperature,
+    top-k, softmax, multinomial) runs there too, as eager calls; what comes back is the chosen tokens,
+    the stop check, and the random generator's state (§17.5), never a row of logits."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=8000, bos_token_id=0, eos_token_id=1)).eval()
+    ids = torch.randint(2, 8000, (1, 8), generator=torch.Generator().manual_seed(0))
+    options = dict(do_sample=True, top_k=50, temperature=0.8, pad_token_id=0)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        want = model.generate(ids, max_new_tokens=12, **options)
+        model.forward = remotorch.compile(model.forward, session=session, fallback="raise", dynamic=True)
+        model.generate(ids, max_new_tokens=3, **options)  # compiled, uploaded
+        torch.manual_seed(1)
+        before = session.stats()
+        got = model.generate(ids, max_new_tokens=12, **options)
+        after = session.stats()
+    assert torch.equal(got, want)  # the same draws as eager
+    assert after["values_fetched"] == before["values_fetched"]
+    assert after["eager_ops"] - before["eager_ops"] >= 12 * 4  # the sampling ran on the worker
+    logits_row = 8000 * 4
+    assert (after["bytes_received"] - before["bytes_received"]) / 12 < logits_row / 3

@@ -177,7 +177,11 @@ def launch(conn, graph: Graph, args: Sequence, plan: Plan, *, fields: dict | Cal
             extra["strides"] = strides
         return extra
 
-    conn.run(graph, args, fields=all_fields, placed=placed, launched=launched)
+    try:
+        conn.run(graph, args, fields=all_fields, placed=placed, launched=launched)
+    except errors.RemoteError as exc:  # never sent: a placeholder that outlives this raises it when read
+        launched.error, launched.done = exc, True
+        raise
     return outs
 
 

@@ -162,13 +162,14 @@ class RemoteTensor(torch.Tensor):
                 return func(*args, **kwargs)
         if not _EAGER:
             _dynamo_hooks()  # (first: dynamo must not trace _pending_among inside a compiled frame either)
-        if func not in _AS_PLAIN and not _pending_among(args, kwargs) and not torch._C._len_torch_dispatch_stack():
+        pending = None if func in _AS_PLAIN else _pending_among(args, kwargs)
+        if pending == [] and not torch._C._len_torch_dispatch_stack():
             # nothing here is on a worker any more (a placeholder that was read): a plain call
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if _dynamo_callback() is None:  # outside any compiled frame: no dynamo to keep out (its wrapper costs)
-            return _eager(func, args, kwargs)
-        return _dynamo_hooks()(func, args, kwargs)
+            return _eager(func, args, kwargs, pending)
+        return _dynamo_hooks()(func, args, kwargs, pending)
 
     @property
     def is_remote(self) -> bool:
@@ -269,12 +270,13 @@ class RemoteGrad(RemoteTensor):
 REMOTE = frozenset((RemoteTensor, RemoteGrad))  # the placeholder classes (type(x) in REMOTE: one hash lookup)
 
 
-def _eager(func, args, kwargs):
+def _eager(func, args, kwargs, pending=None):
     if func in NO_FETCH or torch._guards.TracingContext.try_get() is not None:
         # metadata, or compile-time machinery (fakeification asks untyped_storage(), is_inference()…)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
-    pending = _pending_among(args, kwargs)
+    if pending is None:  # (the caller's scan, when it made one)
+        pending = _pending_among(args, kwargs)
     if OP_HOOK and pending and func not in _AS_PLAIN:  # the call runs on the worker (client.eager)
         out = OP_HOOK[0](func, args, kwargs, pending)
         if out is not NotImplemented:
@@ -370,8 +372,8 @@ def _lazy_view(func, src: RemoteTensor, args, kwargs):
         return src
     mouts = mout if isinstance(mout, (tuple, list)) else (mout,)
     if not mouts or not all(isinstance(o, Tensor) and o is not twin and torch._C._is_alias_of(o, twin)
-                            for o in mouts):
-        return NotImplemented
+                            and not o.is_conj() and not o.is_neg() for o in mouts):
+        return NotImplemented  # (a conjugate or negative view is a flag on the view, which a ViewArg lacks)
     out = _call_plain(func, args, kwargs)  # metadata only: a view of the unwritten local buffer
     ref = src.__dict__["_rt_ref"]
     root = src.__dict__.get("_rt_base", src)

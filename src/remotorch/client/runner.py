@@ -74,6 +74,7 @@ class GraphRunner:
             outs = launch(conn, graph, args, Plan(conn, graph, layout, unread, echo=echo), fields={},
                           on_read=policy.launched())
         else:
+            keep = [i for i in keep if i not in policy.read_outputs]  # (an eager call's: those not read at once)
             fields = dict(keep=keep, handle_base=conn.handles.reserve(len(keep)),
                           keep_min_bytes=self.keep_min_bytes) if keep else None
             reply, frames = conn.run(graph, args, fields=fields)

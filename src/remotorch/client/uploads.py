@@ -140,7 +140,7 @@ class Uploads:
         what the worker lacks, and their :class:`Resident` record (its binding). The same tensors at
         the same versions as last time, with nothing released since: nothing is hashed."""
         last = self._last.get(graph.graph_id)
-        if last is not None and last.generation == self.generation and last.same(args):
+        if last is not None and last.generation == self.generation and (not graph.resident or last.same(args)):
             return last.run_args.copy(), last
         run_args, uploads = [None] * len(args), {}
         for i in graph.resident:
