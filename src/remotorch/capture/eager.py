@@ -160,6 +160,7 @@ def _name(gm: torch.fx.GraphModule, func) -> str:
 
 def _mark(graph: RemoteGraph, name: str) -> RemoteGraph:
     graph.eager_op = True  # client.policy / client.uploads: sent without waiting from its first call on
+    graph.eager_outputs = [i for i, d in enumerate(graph.output_devices) if d is not None]  # (all stay there)
     graph.label = f"eager {name}" + (f" ({graph.kind})" if graph.kind != "inference" else "")
     return graph
 

@@ -128,15 +128,18 @@ def _unflat(shape, it):
     return items if shape[0] else tuple(items)
 
 
-def _signature(leaves: list) -> tuple | None:
-    """What of the leaves a graph depends on (None: a value that cannot be part of one)."""
+def _signature(leaves: list) -> tuple[tuple | None, int]:
+    """What of the leaves a graph depends on (None: a value that cannot be part of one), and how many
+    of them are placeholders still remote."""
     out = []
     tensors: dict[int, int] = {}
+    remote = 0
     with torch._C.DisableTorchFunctionSubclass():
         for i, a in enumerate(leaves):
             if isinstance(a, Tensor):
                 # (where it is does not matter: a local tensor travels as an input of the same graph)
                 out.append((a.dtype, a.shape, a.stride(), a.requires_grad, a.device, tensors.setdefault(id(a), i)))
+                remote += type(a) in REMOTE and "_rt_ref" in a.__dict__
                 continue
             kind = type(a)
             if kind is float:
@@ -148,8 +151,8 @@ def _signature(leaves: list) -> tuple | None:
             elif kind in _SCALARS or a is None or a is Ellipsis:
                 out.append((kind, a))
             else:
-                return None
-    return tuple(out)
+                return None, remote
+    return tuple(out), remote
 
 
 _SCALARS = frozenset({bool, int, str, torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size})
@@ -168,7 +171,8 @@ def on_op(func, args: tuple, kwargs: dict, pending: list):
     result, or NotImplemented for the old path (read them, run it here)."""
     if _state.busy or torch._C._len_torch_dispatch_stack() or compile_op is None:
         return NotImplemented
-    if any(type(p) is not RemoteTensor for p in pending):
+    if type(pending[0]) is not RemoteTensor or (len(pending) > 1 and any(type(p) is not RemoteTensor
+                                                                          for p in pending)):
         return NotImplemented  # a gradient's placeholder reads itself in any operation
     conn = pending[0].__dict__["_rt_ref"].conn
     if not getattr(conn, "eager_remote", False):
@@ -189,28 +193,28 @@ def on_op(func, args: tuple, kwargs: dict, pending: list):
 def _queued(func, args: tuple, kwargs: dict, pending: list):
     """The call as a view of a kept value, or sent to a worker (see the module docstring); or
     NotImplemented."""
-    for p in pending:  # a value its call's reply brings (Python read it before): wait for it
-        ref = p.__dict__.get("_rt_ref")
-        if ref is not None and not ref.handle:
-            ref.check()
-    pending = [p for p in pending if "_rt_ref" in p.__dict__]
-    if not pending:
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+    if not all(p.__dict__["_rt_ref"].handle for p in pending):
+        for p in pending:  # a value its call's reply brings (Python read it before): wait for it
+            ref = p.__dict__.get("_rt_ref")
+            if ref is not None and not ref.handle:
+                ref.check()
+        pending = [p for p in pending if "_rt_ref" in p.__dict__]
+        if not pending:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
     leaves, shape = flatten(args, kwargs)
-    if sum(1 for a in leaves if type(a) in REMOTE and "_rt_ref" in a.__dict__) != len(pending):
-        return NotImplemented  # a placeholder inside a container other than a list, tuple or dict
-    signature = _signature(leaves)
-    if signature is None:
+    signature, remote = _signature(leaves)
+    if signature is None or remote != len(pending):  # (one inside a container other than a list, tuple, dict)
         return NotImplemented
     viewable = len(pending) == 1 and args[0] is pending[0]  # (a pure view of it stays a view of its handle)
     key = (func, shape, signature, viewable, torch.is_grad_enabled(), torch.is_autocast_enabled())
     conn = _home(pending)
-    entry = _cache(conn).get(key)
+    cache = _cache(conn)
+    entry = cache.get(key)
     if entry is VIEW or (entry is None and viewable):
         out = _lazy_view(func, pending[0], args, kwargs)  # (tried on a meta twin once per layout)
         if out is not NotImplemented:
-            _cache(conn)[key] = VIEW
+            cache[key] = VIEW
             return out
         entry = None
     if entry is None:

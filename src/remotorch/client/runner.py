@@ -62,8 +62,8 @@ class GraphRunner:
         if graph.kind != "inference" or (training is not None and training.bound):
             return self.trainer(conn).run(graph, args)
         policy = conn.policies.of(graph)
-        eager = getattr(graph, "eager_op", False)  # an eager call's: every output stays (client.eager)
-        unread = policy.keep(graph) if not eager else [i for i, d in enumerate(graph.output_devices) if d]
+        eager = getattr(graph, "eager_outputs", None)  # an eager call's: every output stays (client.eager)
+        unread = policy.keep(graph) if eager is None else eager
         keep = unread if self.keep_outputs else []
         # Python reads its outputs at once: waiting costs no round trip, and placeholders cost more
         waits = policy.ran and not graph.must_real and policy.waits()
