@@ -53,7 +53,7 @@ VIEW = "view"  # a pure view of its one remote argument: a view of the same hand
 # imports capture)
 compile_op: Callable | None = None
 
-# reads: the old path (fetch, then run here); the others that fake tensors refuse are found by tracing
+# reads: fetched, then run here (a view fetches its own elements); others fake tensors refuse are found by tracing
 READS = frozenset({
     Tensor.item, Tensor.tolist, Tensor.numpy, Tensor.__bool__, Tensor.__float__, Tensor.__int__,
     Tensor.__index__, Tensor.__complex__, Tensor.__array__, Tensor.__format__, Tensor.__contains__,
@@ -177,9 +177,7 @@ def on_op(func, args: tuple, kwargs: dict, pending: list):
     conn = pending[0].__dict__["_rt_ref"].conn
     if not getattr(conn, "eager_remote", False):
         return NotImplemented
-    if func in READS:
-        return NotImplemented
-    if func is Tensor.cpu or (func is Tensor.to and _to_cpu(args, kwargs)):
+    if func in READS or func is Tensor.cpu or (func is Tensor.to and _to_cpu(args, kwargs)):
         for p in pending:
             p.materialize_()
         return _call_plain(func, args, kwargs)

@@ -120,29 +120,33 @@ class Stream:
             self.flush()
         return launched
 
-    def flush(self) -> None:
-        """Send the eager calls kept to leave together, if there are any (one message)."""
+    def flush(self, seq: int = 0) -> None:
+        """Send the eager calls kept to leave together, if there are any (one message; ``seq``: the
+        number kept for it, else the next)."""
         batch, self.coalesced = self.coalesced, None
         if batch is None:
             return
         body, frames, launched = batch.message(self._failed, self.name)
         try:
-            self.launch(body, frames, launched)
+            self.launch(body, frames, launched, seq)
         except errors.RemoteError as exc:  # not sent at all: each call fails with it, raised at its read
             self._failed(launched, exc)
             return
         batch.sent(launched, self.name)
 
-    def launch(self, body, frames: Sequence, launched: Launched) -> Launched:
-        """Send a request; its reply is read later (see :meth:`wait`)."""
-        if self.coalesced is not None:  # eager calls queued before it leave first
-            self.flush()
+    def launch(self, body, frames: Sequence, launched: Launched, seq: int = 0) -> Launched:
+        """Send a request; its reply is read later (see :meth:`wait`). (``seq``: a number kept for it.)"""
         # the header first: it takes the housekeeping queued so far. Making room reads earlier replies,
         # which may release a handle this very request names (a placeholder filled meanwhile); that
-        # release must ride on the next request, not on this one
-        self.seq += 1
-        launched.seq = self.seq
-        header = self._encode(body, self.seq, self.acked)
+        # release must ride on the next request, not on this one. Eager calls queued before it leave
+        # first, under the number before its, after its header is made (sending them reads replies too)
+        first = self.coalesced is not None and not seq
+        if not seq:
+            self.seq += 1 + first
+        launched.seq = seq or self.seq
+        header = self._encode(body, launched.seq, self.acked)
+        if first:
+            self.flush(self.seq - 1)
         self._make_room(launched)
         alone = launched.alone = not self.inflight
         self._enter(launched, header, frames)
@@ -183,10 +187,8 @@ class Stream:
         mode and a trace take that path.) ``what`` names it in errors (by
         default the request's type).
         """
-        if self.coalesced is not None:
-            self.flush()
-        if self.inflight or self._exchange is None or self.blocking or trace.ACTIVE:
-            launched = self._made(body, expect, what)
+        if self.inflight or self._exchange is None or self.blocking or trace.ACTIVE or self.coalesced is not None:
+            launched = self._made(body, expect, what)  # (eager calls queued before it: they leave first)
             self.launch(body, frames, launched)
             self.wait(launched)
             launched.raise_error()
