@@ -15,6 +15,7 @@ calls went to the worker (the operator read its inputs and ran here: ``item``,
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -22,11 +23,20 @@ import torch
 from . import opinfo
 
 
+_made = itertools.count()
+
+
 def _keeper(session):
-    """The tensors given, as values kept on the session's worker (a compiled identity)."""
+    """The tensors given, as values kept on the session's worker (a compiled identity). Each is a graph
+    of its own (a constant output tells them apart): a graph whose outputs Python read before sends
+    them back in its reply from then on (``client.policy``), and a sample's reads must not teach the
+    next sample's identity that."""
     import remotorch
 
-    return remotorch.compile(lambda *ts: tuple(t.clone() for t in ts), session=session, fallback="raise")
+    tag = float(next(_made))
+    identity = remotorch.compile(lambda *ts: (*[t.clone() for t in ts], torch.full((), tag)), session=session,
+                                 fallback="raise")
+    return lambda *ts: identity(*ts)[:-1]
 
 
 def check(info, sample, case: opinfo.Case, session) -> opinfo.Result:
