@@ -36,13 +36,14 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from ..client.eager import LOCAL, PLAIN, OpGraph, unflatten
 from ..codec.rngstate import draws_random
 from ..errors import UnsupportedGraphError
 from .graph import RemoteGraph, output_devices
 from .layout import Layouts
+
 
 class _NotRemote(Exception):
     """The call cannot run as a graph on the worker (see the module docstring)."""

@@ -8,7 +8,9 @@ each session's requests one at a time, in the order sent, and answers them
 in that order). Only a read waits: a value Python reads, a request whose
 answer the caller needs, :meth:`Stream.sync`, or a full queue. Since every
 request is already on its way when the read is issued, a read costs one
-round trip, whatever was issued before it.
+round trip, whatever was issued before it. (Eager calls on kept values are
+the exception to "written when issued": those queued back to back leave
+together, as one message, :mod:`remotorch.client.coalesce`.)
 
 Each request carries a sequence number. The worker remembers, for the
 session's lease, the last one it ran and the replies not yet acknowledged
