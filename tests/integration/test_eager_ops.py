@@ -307,3 +307,19 @@ def test_sampling_generate_on_a_compiled_model_moves_no_logits_back(session):
     assert after["eager_ops"] - before["eager_ops"] >= 12 * 4  # the sampling ran on the worker
     logits_row = 8000 * 4
     assert (after["bytes_received"] - before["bytes_received"]) / 12 < logits_row / 3
+
+
+def test_a_write_into_a_small_value_whose_reply_is_still_coming_is_not_undone_by_the_reply(session):
+    """An output under 1 KiB is kept on the worker and also comes back in its call's reply (echo); a
+    write queued before that reply is read makes the reply's copy stale: the read fetches the value."""
+    f = remotorch.compile(lambda a: a * 2, session=session, fallback="raise")
+    x = torch.arange(16.0)
+    with torch.no_grad():
+        f(x)  # the first call waits for its reply (compiles); the next is sent without waiting
+        y = f(x)
+        assert remote(y)
+        y.add_(1)
+        y[:4] = 0.0
+    want = x * 2 + 1
+    want[:4] = 0.0
+    assert y.tolist() == want.tolist()

@@ -10,8 +10,12 @@ housekeeping due before it) and sends them as one ``Runs``, answered by one
 
 * when :data:`BATCH_RUNS` calls or :data:`BATCH_BYTES` of frames are waiting,
   or the first waited :data:`BATCH_AGE_S` by the time another is queued;
-* before any other request (a graph call, a fetch, an upload), any wait (a
-  read, :meth:`~remotorch.client.stream.Stream.sync`), and a heartbeat.
+* before any other request (a graph call, a fetch, an upload) and any wait (a
+  read, :meth:`~remotorch.client.stream.Stream.sync`). (Not from the
+  heartbeat thread: their replies' callbacks would run there. A program
+  that queues eager calls and then does something else for a long time
+  leaves them queued until its next request or read: at worst the worker
+  runs them then.)
 
 The worker runs them in order, as the requests they would have been, so
 nothing else changes: each call keeps its own record

@@ -189,9 +189,8 @@ class Link:
         try:
             if self._closed or not self.connected or self.stream.inflight:
                 return
-            if self.stream.coalesced is not None:  # eager calls kept to leave together: they go now
-                self.stream.flush()
-                return
+            # (eager calls kept to leave together stay until the next request or read: sent from this
+            # thread, their replies' callbacks would run here, beside the program's own thread)
             self.last_request = time.monotonic()
             self._transport.request(m.encode(m.Heartbeat()))
         except errors.RemoteError as exc:
