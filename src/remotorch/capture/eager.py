@@ -32,6 +32,7 @@ mismatch) raises torch's own error there, at once, before any element is read.
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from collections.abc import Callable
 
@@ -44,6 +45,8 @@ from ..errors import UnsupportedGraphError
 from .graph import RemoteGraph, output_devices
 from .layout import Layouts
 
+log = logging.getLogger(__name__)
+
 
 class _NotRemote(Exception):
     """The call cannot run as a graph on the worker (see the module docstring)."""
@@ -53,26 +56,18 @@ def compile_op(func, leaves: list, shape, session, conn) -> OpGraph | object:
     """The call ``func`` with these arguments (``leaves`` flattened as ``shape`` says), as something
     ``client.eager`` can run: an :class:`OpGraph` on ``conn``'s worker, :data:`LOCAL` or :data:`PLAIN`.
 
-    Raises torch's own error at once when fake tensors refuse the call as torch would.
+    Raises torch's own error at once when torch refuses the call for its arguments' sizes or types.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    mode = FakeTensorMode(shape_env=ShapeEnv())
     first: dict[int, int] = {}  # id(tensor) -> its position among the graph's inputs
     inputs: list[int] = []  # leaf index of each graph input
-    fakes = []
-    with torch._C.DisableTorchFunctionSubclass(), mode:
-        for i, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor) and id(leaf) not in first:
-                first[id(leaf)] = len(inputs)
-                inputs.append(i)
-                fake = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device)
-                fakes.append(fake.requires_grad_() if leaf.requires_grad else fake)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and id(leaf) not in first:
+            first[id(leaf)] = len(inputs)
+            inputs.append(i)
     where = [first[id(leaf)] if isinstance(leaf, torch.Tensor) else -1 for leaf in leaves]
     seen: dict = {}
     try:
-        gm = _trace(func, leaves, shape, where, fakes, seen)
+        gm, fakes, mode = _traced(func, leaves, shape, where, [leaves[i] for i in inputs], seen)
     except _NotRemote:
         return LOCAL
     except Exception as exc:  # noqa: BLE001 (torch's own refusal, or the fakes')
@@ -87,13 +82,75 @@ def compile_op(func, leaves: list, shape, session, conn) -> OpGraph | object:
         return LOCAL  # writing into values that take part in autograd: read them and run it here
     name = _name(gm, func)
     try:
-        run = (_lowered(gm, fakes, mode, session, conn, name) if needs_grad else _plain(gm, session, conn, name))
+        run = (_lowered(gm, fakes, mode, session, conn, name) if needs_grad else
+               _plain(gm, session, conn, name, seen["device"]))
     except (UnsupportedGraphError, _NotRemote):
+        return LOCAL
+    except Exception:  # noqa: BLE001 (aot_autograd cannot lower it: read the values and run it here)
+        log.debug("eager call %s runs here: aot_autograd could not lower it", name, exc_info=True)
         return LOCAL
     return OpGraph(run, inputs, seen["template"], seen["spec"], [inputs[j] for j in seen["mutated"]], name)
 
 
-def _trace(func, leaves: list, shape, where: list[int], fakes: list, seen: dict) -> torch.fx.GraphModule:
+def _traced(func, leaves: list, shape, where: list[int], tensors: list, seen: dict):
+    """The call's aten graph, traced on stand-ins of ``tensors``; and fake tensors of them (for
+    aot_autograd) with their mode.
+
+    Traced before dispatch (``pre_dispatch``): an operator torch implements as a composite of
+    others (``linalg.svdvals``, ``dropout``, ``softmax``) stays one call, which the worker runs as
+    eager runs it (traced through, on fake tensors, which count as tensor subclasses,
+    ``linalg.svdvals`` would compute singular vectors too and change its last bits). First on meta
+    tensors; a size that depends on the data needs fake tensors with a shape environment (an
+    unbacked size): then on those. A call whose result needs gradients is traced as aot_autograd
+    will lower it (through the composites, on fake tensors), as a compiled region's is.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with torch._C.DisableTorchFunctionSubclass():
+        metas = [_like(t, "meta") for t in tensors]
+        seen["device"] = tensors[0].device if tensors else torch.device("cpu")  # (outputs traced on meta)
+        with mode:
+            fakes = [_like(t, t.device) for t in tensors]
+    tries = [(fakes, "fake", False)]  # (lowered as aot_autograd lowers)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        tries = [(metas, "real", True), (fakes, "fake", True)] + tries
+    failure: Exception | None = None
+    for stand_ins, tracing_mode, pre_dispatch in tries:
+        try:
+            gm = _trace(func, leaves, shape, where, stand_ins, seen, tracing_mode, pre_dispatch)
+        except _NotRemote:
+            raise
+        except Exception as exc:  # noqa: BLE001 (a size that depends on the data, no meta kernel: the next)
+            failure = exc
+            continue
+        if _portable(gm):  # (before dispatch, torch may name an operator a worker never resolves: __or__)
+            return gm, fakes, mode
+    raise failure if failure is not None else _NotRemote("no graph a worker runs")
+
+
+def _portable(gm: torch.fx.GraphModule) -> bool:
+    """Whether every aten operator of the graph is one a worker resolves (protocol.md §12.2)."""
+    from ..codec.ops import CORE_NAMESPACES, resolve_target, target_name
+
+    try:
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+                    and node.target.namespace in CORE_NAMESPACES:
+                resolve_target(target_name(node.target))
+    except UnsupportedGraphError:
+        return False
+    return True
+
+
+def _like(t: torch.Tensor, device) -> torch.Tensor:
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    return out.requires_grad_() if t.requires_grad else out
+
+
+def _trace(func, leaves: list, shape, where: list[int], fakes: list, seen: dict,
+           tracing_mode: str, pre_dispatch: bool) -> torch.fx.GraphModule:
     """``make_fx`` of the call on ``fakes``; fills ``seen`` with what the call did (see compile_op)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -126,7 +183,7 @@ def _trace(func, leaves: list, shape, where: list[int], fakes: list, seen: dict)
         return fresh
 
     with torch._C.DisableTorchFunctionSubclass():
-        gm = make_fx(fn, tracing_mode="fake")(*fakes)
+        gm = make_fx(fn, tracing_mode=tracing_mode, pre_dispatch=pre_dispatch)(*fakes)
     seen["ops"] = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     return gm
 
@@ -135,20 +192,35 @@ def _fake_only(exc: BaseException) -> bool:
     """Whether fake tensors refused the call for a reason of their own (torch would run it)."""
     from torch._subclasses import fake_tensor
 
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
     kinds = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
              fake_tensor.UnsupportedOperatorException, fake_tensor.UnsupportedFakeTensorException,
-             NotImplementedError)
+             GuardOnDataDependentSymNode, NotImplementedError)
     return isinstance(exc, kinds) or not isinstance(exc, (RuntimeError, ValueError, TypeError, IndexError))
 
 
 def _refused_here(func, leaves: list, shape) -> None:
     """Run the call here on the stand-ins' own buffers (allocated, never written): a call torch refuses
     for its arguments' sizes or types (what fake tensors refused) raises torch's own error, as eager
-    words it, before it reads any element; one it runs was refused by the fakes alone (then the
-    caller reads the values and runs it here)."""
+    words it, before it reads any element. One that reads an element into Python (a check on the
+    values, a size from them) is stopped there, and one that runs was refused by the fakes alone:
+    then the caller reads the values and runs it here."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NoReads(TorchDispatchMode):
+        def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+            tags = getattr(op, "tags", ())
+            if torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags:
+                raise _NotRemote("the call reads values")  # (garbage here: not the call's own refusal)
+            return op(*args, **(kwargs or {}))
+
     args, kwargs = unflatten(list(leaves), shape)
-    with torch._C.DisableTorchFunctionSubclass():
-        func(*args, **kwargs)
+    try:
+        with torch._C.DisableTorchFunctionSubclass(), NoReads():
+            func(*args, **kwargs)
+    except _NotRemote:
+        pass
 
 
 def _name(gm: torch.fx.GraphModule, func) -> str:
@@ -166,8 +238,9 @@ def _mark(graph: RemoteGraph, name: str) -> RemoteGraph:
     return graph
 
 
-def _plain(gm: torch.fx.GraphModule, session, conn, name: str) -> Callable:
-    """The traced graph as one :class:`RemoteGraph` (no autograd), run on ``conn``'s worker."""
+def _plain(gm: torch.fx.GraphModule, session, conn, name: str, device: torch.device) -> Callable:
+    """The traced graph as one :class:`RemoteGraph` (no autograd), run on ``conn``'s worker (its
+    outputs live here on ``device``: the arguments', where it was traced on meta)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from ..codec.graph import encode_graph
@@ -176,8 +249,9 @@ def _plain(gm: torch.fx.GraphModule, session, conn, name: str) -> Callable:
         payload = encode_graph(gm)  # (UnsupportedGraphError: LOCAL)
     layouts = Layouts(gm)
     runner = weakref.proxy(session)  # (the graph is kept with the connection: it must not keep the session)
+    devices = [device if d is not None and d.type == "meta" else d for d in output_devices(gm)]
     return _mark(RemoteGraph(payload, runner=lambda: runner, engine="eager", fallback="raise", resident=[],
-                             output_devices=output_devices(gm), local=gm.forward, worker=conn,
+                             output_devices=devices, local=gm.forward, worker=conn,
                              layouts=layouts if layouts.known else None, random=draws_random(gm)), name)
 
 

@@ -372,8 +372,8 @@ def _lazy_view(func, src: RemoteTensor, args, kwargs):
         return src
     mouts = mout if isinstance(mout, (tuple, list)) else (mout,)
     if not mouts or not all(isinstance(o, Tensor) and o is not twin and torch._C._is_alias_of(o, twin)
-                            and not o.is_conj() and not o.is_neg() for o in mouts):
-        return NotImplemented  # (a conjugate or negative view is a flag on the view, which a ViewArg lacks)
+                            and not o.is_conj() and not o.is_neg() and o.dtype == twin.dtype for o in mouts):
+        return NotImplemented  # (a ViewArg has neither a conjugate or negative flag nor another dtype)
     out = _call_plain(func, args, kwargs)  # metadata only: a view of the unwritten local buffer
     ref = src.__dict__["_rt_ref"]
     root = src.__dict__.get("_rt_base", src)
