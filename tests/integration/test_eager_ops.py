@@ -323,3 +323,26 @@ def test_a_write_into_a_small_value_whose_reply_is_still_coming_is_not_undone_by
     want = x * 2 + 1
     want[:4] = 0.0
     assert y.tolist() == want.tolist()
+
+
+def test_a_parameter_made_of_a_kept_value_is_initialised_and_updated_on_the_worker(s):
+    """``nn.Parameter(kept)`` stays a kept value; ``nn.init``, ``p.data`` tricks and an EMA of it are
+    eager calls queued to the worker (``nn.init.normal_`` calls with keyword arguments only); equal
+    to the same code run here."""
+    w = torch.randn(32, 32, generator=torch.Generator().manual_seed(9))
+    p, q = torch.nn.Parameter(kept(s, w)), torch.nn.Parameter(w.clone())
+    assert remote(p) and p.requires_grad
+    before = s.stats()
+    results = []
+    for param in (p, q):
+        torch.manual_seed(11)
+        with torch.no_grad():
+            torch.nn.init.normal_(param, std=0.02)
+            ema = param.detach().clone()
+            for _ in range(3):
+                param.data.mul_(0.5)
+                ema.mul_(0.9).add_(param, alpha=0.1)
+        results.append((param, ema))
+    assert s.stats()["values_fetched"] == before["values_fetched"]
+    assert remote(p) and remote(results[0][1])
+    assert torch.equal(results[0][1], results[1][1]) and torch.equal(p, q)

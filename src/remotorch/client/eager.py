@@ -204,7 +204,7 @@ def _queued(func, args: tuple, kwargs: dict, pending: list):
     signature, remote = _signature(leaves)
     if signature is None or remote != len(pending):  # (one inside a container other than a list, tuple, dict)
         return NotImplemented
-    viewable = len(pending) == 1 and args[0] is pending[0]  # (a pure view of it stays a view of its handle)
+    viewable = len(pending) == 1 and bool(args) and args[0] is pending[0]  # (a pure view: a view of its handle)
     key = (func, shape, signature, viewable, torch.is_grad_enabled(), torch.is_autocast_enabled())
     conn = _home(pending)
     cache = _cache(conn)
