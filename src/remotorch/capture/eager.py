@@ -83,7 +83,7 @@ def compile_op(func, leaves: list, shape, session, conn) -> OpGraph | object:
     name = _name(gm, func)
     try:
         run = (_lowered(gm, fakes, mode, session, conn, name) if needs_grad else
-               _plain(gm, session, conn, name, seen["device"]))
+               _plain(gm, session, conn, name))
     except (UnsupportedGraphError, _NotRemote):
         return LOCAL
     except Exception:  # noqa: BLE001 (aot_autograd cannot lower it: read the values and run it here)
@@ -96,33 +96,31 @@ def _traced(func, leaves: list, shape, where: list[int], tensors: list, seen: di
     """The call's aten graph, traced on stand-ins of ``tensors``; and fake tensors of them (for
     aot_autograd) with their mode.
 
-    Traced before dispatch (``pre_dispatch``): an operator torch implements as a composite of
+    Traced before dispatch (``pre_dispatch``), on fake tensors with a shape environment (a size
+    that depends on the data is an unbacked size): an operator torch implements as a composite of
     others (``linalg.svdvals``, ``dropout``, ``softmax``) stays one call, which the worker runs as
     eager runs it (traced through, on fake tensors, which count as tensor subclasses,
-    ``linalg.svdvals`` would compute singular vectors too and change its last bits). First on meta
-    tensors; a size that depends on the data needs fake tensors with a shape environment (an
-    unbacked size): then on those. A call whose result needs gradients is traced as aot_autograd
-    will lower it (through the composites, on fake tensors), as a compiled region's is.
+    ``linalg.svdvals`` would compute singular vectors too and change its last bits). (Not on meta
+    tensors: before dispatch, ``nll_loss`` on them gives the wrong size.) A call whose result needs
+    gradients is traced as aot_autograd will lower it (through the composites), as a compiled
+    region's is; so is one a worker could not resolve before dispatch.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
-    with torch._C.DisableTorchFunctionSubclass():
-        metas = [_like(t, "meta") for t in tensors]
-        seen["device"] = tensors[0].device if tensors else torch.device("cpu")  # (outputs traced on meta)
-        with mode:
-            fakes = [_like(t, t.device) for t in tensors]
+    with torch._C.DisableTorchFunctionSubclass(), mode:
+        fakes = [_like(t, t.device) for t in tensors]
     tries = [(fakes, "fake", False)]  # (lowered as aot_autograd lowers)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-        tries = [(metas, "real", True), (fakes, "fake", True)] + tries
+        tries.insert(0, (fakes, "fake", True))
     failure: Exception | None = None
     for stand_ins, tracing_mode, pre_dispatch in tries:
         try:
             gm = _trace(func, leaves, shape, where, stand_ins, seen, tracing_mode, pre_dispatch)
         except _NotRemote:
             raise
-        except Exception as exc:  # noqa: BLE001 (a size that depends on the data, no meta kernel: the next)
+        except Exception as exc:  # noqa: BLE001 (refused before dispatch: the next way; else classified)
             failure = exc
             continue
         if _portable(gm):  # (before dispatch, torch may name an operator a worker never resolves: __or__)
@@ -238,9 +236,8 @@ def _mark(graph: RemoteGraph, name: str) -> RemoteGraph:
     return graph
 
 
-def _plain(gm: torch.fx.GraphModule, session, conn, name: str, device: torch.device) -> Callable:
-    """The traced graph as one :class:`RemoteGraph` (no autograd), run on ``conn``'s worker (its
-    outputs live here on ``device``: the arguments', where it was traced on meta)."""
+def _plain(gm: torch.fx.GraphModule, session, conn, name: str) -> Callable:
+    """The traced graph as one :class:`RemoteGraph` (no autograd), run on ``conn``'s worker."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from ..codec.graph import encode_graph
@@ -249,9 +246,8 @@ def _plain(gm: torch.fx.GraphModule, session, conn, name: str, device: torch.dev
         payload = encode_graph(gm)  # (UnsupportedGraphError: LOCAL)
     layouts = Layouts(gm)
     runner = weakref.proxy(session)  # (the graph is kept with the connection: it must not keep the session)
-    devices = [device if d is not None and d.type == "meta" else d for d in output_devices(gm)]
     return _mark(RemoteGraph(payload, runner=lambda: runner, engine="eager", fallback="raise", resident=[],
-                             output_devices=devices, local=gm.forward, worker=conn,
+                             output_devices=output_devices(gm), local=gm.forward, worker=conn,
                              layouts=layouts if layouts.known else None, random=draws_random(gm)), name)
 
 
