@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,9 @@ def default_cache_dir() -> Path:
         return home / "Library" / "Caches" / "remotorch"
     return Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache") / "remotorch"
 
+
+# A tenant's name in a worker's --tokens file (``[tenants.NAME]``) and in ``remotorch token new NAME``.
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 

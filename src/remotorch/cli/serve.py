@@ -171,8 +171,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"remotorch: {line}", file=sys.stderr, flush=True)
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C: stop as SIGTERM does, with the status of an interrupted command
         server.shutdown()
+        return 130
     return 0
 
 

@@ -30,6 +30,7 @@ from .embedded import EmbeddedWorker
 from .progress import upload_bar
 from .runner import GraphRunner, Trainer
 from .pool import Pool, split_urls
+from .wiring import ensure as _join_parts
 
 
 class Session(GraphRunner):
@@ -120,6 +121,7 @@ class Session(GraphRunner):
                  allow_ops: str | Sequence[str] | None = None,
                  worker_imports: str | Sequence[str] | None = None, progress: bool | None = None,
                  fetch_on_close: bool = True) -> None:
+        _join_parts()  # the root's wiring (remotorch.client.wiring): a session may be the first part used
         env = from_env()
         urls = split_urls(url)
         if urls == [None]:
