@@ -22,9 +22,11 @@ from .training.client import TrainingClient as _TrainingClient
 from .training.clip import install as _install_clip
 from .training.writes import install_optimizer_hooks as _install_optimizer_hooks, mark_changed
 from .devtools import models  # example models (``from remotorch import models``)
+from .weights import from_pretrained, init_empty_weights, load_state_dict, save  # weights on the worker
 
-__all__ = ["QueueLimits", "Session", "accelerate", "compile", "default_session", "errors", "explain", "mark_changed",
-           "models", "optim", "trace",
+__all__ = ["QueueLimits", "Session", "accelerate", "compile", "default_session", "errors", "explain",
+           "from_pretrained", "init_empty_weights", "load_state_dict", "mark_changed",
+           "models", "optim", "save", "trace",
            "parallel", "pipeline", "remote_profile", "remotorch_backend"]
 __version__ = "0.1.0"
 

@@ -155,7 +155,7 @@ def fetch_held(conn: Connection, batch_bytes: int = 1 << 30, batch_count: int = 
     todo = []
     for ref in conn.handles.values():
         t = ref.root() if ref.root is not None else None
-        if t is None or t.__dict__.get("_rt_ref") is not ref:
+        if t is None or t.__dict__.get("_rt_ref") is not ref or ref.stays:
             continue
         try:
             ref.check()  # an asynchronous call still making it: wait for it (and skip it if it failed)
