@@ -24,6 +24,7 @@ from .. import errors
 from ..codec import messages as m
 from ..config import from_env, parse_spin_us
 from ..transport import Transport
+from . import values
 from .connection import Connection, ContentIds, Graph
 from .stream import QueueLimits
 from .embedded import EmbeddedWorker
@@ -342,13 +343,16 @@ class Session(GraphRunner):
 
         After training with a :class:`~remotorch.optim.RemoteOptimizer` the
         worker holds the parameters of record; this brings them back, e.g.
-        before ``module.state_dict()``. Tensors the worker does not train
+        before ``module.state_dict()``. Weights a worker loaded itself
+        (:func:`remotorch.from_pretrained`) come here too, as ordinary tensors. Tensors the worker does not train
         (buffers, frozen parameters) are the local ones already and stay as
         they are, and so do the gradients of parameters no worker-side
         optimizer manages (they are in ``p.grad``). Returns how many tensors
         were copied.
         """
-        return sum(t.pull(module, grads) for t in list(self._trainers.values()))
+        pulled = sum(t.pull(module, grads) for t in list(self._trainers.values()))
+        # values the workers keep for it (weights they loaded): brought here, in one request per worker
+        return pulled + values.fetch_placeholders([*module.parameters(), *module.buffers()])
 
     def refresh(self, module: torch.nn.Module) -> int:
         """Bring back into ``module`` the parameters an optimizer stepped on a worker (only those).

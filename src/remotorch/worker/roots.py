@@ -55,7 +55,7 @@ def parse_root(spec: str, writable: bool) -> Root:
     """``NAME=DIR`` as a root; ``ValueError`` when the name is not ``[A-Za-z0-9][A-Za-z0-9_.-]*`` or
     ``DIR`` is not a folder (checked at start-up, so a typo fails the worker, not a client later)."""
     name, sep, folder = spec.partition("=")
-    if not sep or not ROOT_NAME.match(name):
+    if not sep or not folder or not ROOT_NAME.match(name):
         raise ValueError(f"{spec!r}: give NAME=DIR, NAME being letters, digits, '_', '.' or '-'")
     real = os.path.realpath(os.path.expanduser(folder))
     if not os.path.isdir(real):
