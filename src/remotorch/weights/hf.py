@@ -120,7 +120,7 @@ def _dtype(dtype, config, index: m.WeightsIndex) -> torch.dtype:
     if dtype is None:
         dtype = "auto" if int(transformers.__version__.split(".")[0]) >= 5 else torch.get_default_dtype()
     if isinstance(dtype, str) and dtype == "auto":
-        found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        found = getattr(config, "dtype", None) if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
         if isinstance(found, str) and hasattr(torch, found):
             found = getattr(torch, found)
         if isinstance(found, torch.dtype):
