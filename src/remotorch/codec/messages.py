@@ -199,6 +199,7 @@ class HealthReply(msgspec.Struct, frozen=True, tag="health_reply", omit_defaults
     disk_cache: dict[str, Union[int, str]] = {}  # ``serve --cache-dir``: folder, bytes, counters (§20)
     framing: str = ""  # "compiled" (_cframing) or "python": what this worker frames plain (not TLS) sockets with
     weight_roots: dict[str, str] = {}  # ``serve --weights/--checkpoints``: root name -> "read" or "write" (§22)
+    weights_read: int = 0  # tensor bytes read from weight files since the worker started (§22)
 
 
 class Ok(msgspec.Struct, frozen=True, tag="ok", omit_defaults=True):

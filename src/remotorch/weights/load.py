@@ -59,19 +59,24 @@ class Plan:
 
 def open_weights(session: Session, source: str, revision: str | None = None) -> m.WeightsIndex:
     """What ``source`` holds on the session's first worker (one round trip; no tensor data)."""
-    conn = session.connection
+    return open_weights_on(session.connection, source, revision)
+
+
+def open_weights_on(conn, source: str, revision: str | None = None) -> m.WeightsIndex:
+    """What ``source`` holds on this connection's worker."""
     with conn.lock:
         return conn.request(m.OpenWeights(source, revision or ""), expect=m.WeightsIndex)[0]
 
 
 def plan(weights: Sequence[Weight], index: m.WeightsIndex, *, strict: bool = True,
          rename: Callable[[str], str] | None = None, ignore_missing: Callable[[str], bool] | None = None,
-         ignore_unexpected: Callable[[str], bool] | None = None, source: str = "") -> Plan:
+         ignore_unexpected: Callable[[str], bool] | None = None, source: str = "", subset: bool = False) -> Plan:
     """Match each weight to a key of the files; :class:`CheckpointError` naming the mismatches.
 
     ``rename`` maps a module key to the files' key (a prefix added or removed);
     ``ignore_missing``/``ignore_unexpected`` tell keys a library says may be absent or extra.
-    Shapes must always agree; with ``strict`` keys must too.
+    Shapes must always agree; with ``strict`` keys must too. ``subset``: ``weights`` are part of a model
+    (a pipeline stage's), so the files' other keys are not unexpected.
     """
     specs = dict(zip(index.keys, index.specs))
     to_file = rename or (lambda k: k)
@@ -88,7 +93,8 @@ def plan(weights: Sequence[Weight], index: m.WeightsIndex, *, strict: bool = Tru
         if list(specs[key].shape) != want:
             shapes.append(f"{key}: {list(specs[key].shape)} in the files, {want} in the model")
         chosen.append((w, key))
-    unexpected = [k for k in index.keys if k not in used and not (ignore_unexpected and ignore_unexpected(k))]
+    unexpected = [] if subset else [k for k in index.keys
+                                    if k not in used and not (ignore_unexpected and ignore_unexpected(k))]
     where = f"{source}: " if source else ""
     if shapes:
         raise CheckpointError(f"{where}{len(shapes)} shape(s) differ: " + "; ".join(shapes[:10]))
@@ -102,10 +108,10 @@ def plan(weights: Sequence[Weight], index: m.WeightsIndex, *, strict: bool = Tru
     return Plan(chosen, missing, unexpected)
 
 
-def load_planned(session: Session, p: Plan, source: str, revision: str = "") -> int:
-    """Have the worker read the planned tensors into handles, and make each weight a stand-in for its
-    handle (one round trip). Returns how many tensors were loaded."""
-    conn = session.connection
+def load_planned(session: Session, p: Plan, source: str, revision: str = "", conn=None) -> int:
+    """Have the worker (of ``conn``, default the session's first) read the planned tensors into handles,
+    and make each weight a stand-in for its handle (one round trip). Returns how many were loaded."""
+    conn = conn if conn is not None else session.connection
     n = len(p.chosen)
     if not n:
         return 0
@@ -124,6 +130,7 @@ def load_planned(session: Session, p: Plan, source: str, revision: str = "") -> 
             t.requires_grad_(w.requires_grad)
             t._is_param = True  # an nn.Parameter to isinstance, optimizers and module code
         install(w, t)
+        w.tensor = t
         if trainer is not None and w.requires_grad:
             trainer.claim(t)  # its optimizer and training runs find this session (its slot binds to the handle)
     return n
@@ -171,4 +178,4 @@ def load_state_dict(module: nn.Module, source: str, *, session: Session | None =
     return IncompatibleKeys(p.missing, p.unexpected)
 
 
-__all__ = ["IncompatibleKeys", "Plan", "load_planned", "load_state_dict", "open_weights", "plan"]
+__all__ = ["IncompatibleKeys", "Plan", "load_planned", "load_state_dict", "open_weights", "open_weights_on", "plan"]

@@ -47,6 +47,7 @@ class Weights:
     def __init__(self, worker, roots: Roots) -> None:
         self.worker = worker
         self.roots = roots
+        self.bytes_read = 0  # tensor bytes read from weight files since the worker started (HealthReply)
 
     # ------------------------------------------------------------------ reading
     def _headers(self, src: Source) -> tuple[dict[str, tuple[str, stfiles.Entry]], dict[str, str]]:
@@ -107,6 +108,7 @@ class Weights:
                 for i in sorted(todo, key=lambda i: targets[i][1].begin):  # in the file's order
                     _, entry, dtype = targets[i]
                     t = stfiles.read_tensor(fd, entry, f"{src.label}: {file}")
+                    self.bytes_read += entry.nbytes
                     tensors[i] = t.to(device=device, dtype=dtype)
             finally:
                 os.close(fd)

@@ -166,7 +166,7 @@ class Worker:
                 "resident_bytes": self._tensors.total_bytes + self.state_bytes(),
                 "cached_bytes": self._tensors.orphan_bytes + self._graphs.orphan_bytes,
                 "price_per_hour": self.price_per_hour, "allowed_ops": sorted(self.allow_ops),
-                "weight_roots": self.weights.roots.describe(),
+                "weight_roots": self.weights.roots.describe(), "weights_read": self.weights.bytes_read,
                 "disk_cache": {**self.disk.stats(), **engines.cache_counts()} if self.disk else {}}
 
     def memory(self) -> dict:
