@@ -111,9 +111,9 @@ SAFE_OPEN = textwrap.dedent("""
 """)
 
 
-def write_model(folder: Path, gb: float) -> tuple[int, int]:
+def write_model(folder: Path, gb: float, tied: bool = True) -> tuple[int, int]:
     """A GPT-2 of about ``gb`` GB as save_pretrained writes it (random values); (bytes, largest tensor)."""
-    config = transformers.GPT2Config(vocab_size=50257, n_positions=1024, **CONFIGS[gb])
+    config = transformers.GPT2Config(vocab_size=50257, n_positions=1024, tie_word_embeddings=tied, **CONFIGS[gb])
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(folder)
     with remotorch.init_empty_weights():
@@ -171,6 +171,40 @@ def report(gb: float, got: dict) -> None:
           f"largest file {got['nbytes'] / mib:.1f} MiB)")
 
 
+def stages(root: Path, gb: float, n: int) -> None:
+    """The model as an ``n``-stage pipeline, a worker per stage: what each worker read, what the client sent."""
+    from remotorch import pipeline
+
+    name = f"gpt2-{gb}-untied"  # (a tied embedding cannot span two stages)
+    write_model(root / name, gb, tied=False)
+    config = transformers.GPT2Config.from_pretrained(root / name)
+    workers = [spawn_worker(["--host", "127.0.0.1", "--port", "0", "--token", TOKEN, "--weights",
+                             f"models={root}", "--name", f"stage{i}"], start_timeout=120) for i in range(n)]
+    try:
+        with remotorch.Session([w.url for w in workers], token=TOKEN) as s:
+            with remotorch.init_empty_weights():
+                model = transformers.GPT2LMHeadModel(config)
+            cuts = [f"transformer.h.{config.n_layer * k // n}" for k in range(1, n)]
+            pipe = pipeline.Pipeline(model, cuts, session=s, schedule="GPipe", microbatches=2,
+                                     loss_fn=lambda out, y: torch.nn.functional.cross_entropy(
+                                         out.logits.flatten(0, 1), y.flatten()),
+                                     weights=f"models/{name}")
+            ids = torch.randint(0, config.vocab_size, (2, 16))
+            before = s.stats()
+            pipe.step({"input_ids": ids}, ids)
+            after = s.stats()
+            print(f"\n== {name} as {n} pipeline stages, a worker each ==")
+            for runner, (url, got) in zip(pipe.layout.runners, pipe.weights_read.items()):
+                want = sum(p.numel() * p.element_size() for p in runner.params)
+                print(f"  stage {runner.index}: parameters {want / 2**20:.1f} MiB; its worker {url} read "
+                      f"{got / 2**20:.1f} MiB ({got / want:.3f} x)")
+            print(f"  the client sent {(after['bytes_sent'] - before['bytes_sent']) / 1024:.1f} KiB in all "
+                  f"(graphs and the step's tokens) and uploaded {after['tensors_uploaded']} tensors")
+    finally:
+        for w in workers:
+            w.stop()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="0.1,0.5,1.4")
@@ -184,9 +218,7 @@ def main() -> int:
             nbytes, largest = write_model(root / f"gpt2-{gb}", gb)
             report(gb, measure(root, f"gpt2-{gb}", nbytes, largest, args.runs))
         if args.stages:
-            from _weights_stages import report_stages
-
-            report_stages(root, f"gpt2-{max(sizes)}", args.stages, TOKEN)
+            stages(root, max(sizes), args.stages)
     return 0
 
 

@@ -82,6 +82,12 @@ class Session(GraphRunner):
     ``blocking`` (default ``REMOTORCH_LAUNCH_BLOCKING``) makes every request
     wait for its reply, for debugging.
 
+    ``weights`` and ``checkpoints`` (default ``REMOTORCH_WEIGHTS``,
+    ``REMOTORCH_CHECKPOINTS``: ``NAME=DIR,NAME=DIR``) name the folders the
+    *embedded* worker may read weights from and write checkpoints into
+    (``{"models": "/data/models"}``: see :func:`remotorch.from_pretrained`); a
+    worker elsewhere reads what its ``remotorch serve --weights`` says.
+
     ``allow_ops`` (default ``REMOTORCH_ALLOW_OPS``) lists namespaces of
     library custom operators the *embedded* worker may run
     (``["transformers"]``), with ``worker_imports`` (default
@@ -120,7 +126,8 @@ class Session(GraphRunner):
                  keep_min_bytes: int = 1024, blocking: bool | None = None, queue: QueueLimits | None = None,
                  allow_ops: str | Sequence[str] | None = None,
                  worker_imports: str | Sequence[str] | None = None, progress: bool | None = None,
-                 fetch_on_close: bool = True) -> None:
+                 fetch_on_close: bool = True, weights: str | Mapping[str, str] | None = None,
+                 checkpoints: str | Mapping[str, str] | None = None) -> None:
         env = from_env()
         urls = split_urls(url)
         if urls == [None]:
@@ -136,11 +143,13 @@ class Session(GraphRunner):
         self._spin_s = None if spin_us is None else spin_us / 1e6  # None: auto
         self._embedded: EmbeddedWorker | None = None
         self._embedded_transport = env.embedded_transport
-        if (allow_ops or worker_imports) and None not in urls:
-            raise ValueError("allow_ops and worker_imports configure the embedded worker; a worker at a URL "
-                             "allows what its `remotorch serve --allow-ops` says")
+        if (allow_ops or worker_imports or weights or checkpoints) and None not in urls:
+            raise ValueError("allow_ops, worker_imports, weights and checkpoints configure the embedded worker; a "
+                             "worker at a URL allows and reads what its `remotorch serve` flags say")
         self._embedded_ops = (_names(allow_ops if allow_ops is not None else env.allow_ops),
-                              _names(worker_imports if worker_imports is not None else env.worker_imports))
+                              _names(worker_imports if worker_imports is not None else env.worker_imports),
+                              _roots("--weights", weights if weights is not None else env.weights) +
+                              _roots("--checkpoints", checkpoints if checkpoints is not None else env.checkpoints))
         self._lock = threading.Lock()
         self._closed = False
         self._fallbacks = 0
@@ -218,7 +227,8 @@ class Session(GraphRunner):
                 spin_us = None if self._spin_s is None else self._spin_s * 1e6
                 self._embedded = EmbeddedWorker(self.device, spin_us=spin_us,
                                                 transport=self._embedded_transport,
-                                                allow_ops=self._embedded_ops[0], imports=self._embedded_ops[1])
+                                                allow_ops=self._embedded_ops[0], imports=self._embedded_ops[1],
+                                                roots=self._embedded_ops[2])
             return self._embedded.url, self._embedded.token
 
     @property
@@ -377,6 +387,12 @@ def _names(value: str | Sequence[str] | None) -> tuple[str, ...]:
     """``"a,b"`` or ``["a", "b"]`` as a tuple of names."""
     parts = value.split(",") if isinstance(value, str) else list(value or ())
     return tuple(p.strip() for p in parts if p.strip())
+
+
+def _roots(flag: str, value: str | Mapping[str, str] | None) -> list[tuple[str, str]]:
+    """``{"models": "/data"}`` or ``"models=/data,hub=/cache"`` as ``[(flag, "NAME=DIR")]``."""
+    pairs = value.items() if isinstance(value, Mapping) else (p.split("=", 1) for p in _names(value) if "=" in p)
+    return [(flag, f"{name}={folder}") for name, folder in pairs]
 
 
 _default: Session | None = None
