@@ -31,8 +31,34 @@ def worker(tmp_path_factory, start_module_server):
     torch.save(model.state_dict(), weights / "pickled" / "pytorch_model.bin")
     (weights / "escape").symlink_to(outside / "secret")  # a link out of the root
     (weights / "inside").symlink_to(weights / "tiny")  # a link that stays inside: allowed
+    hub = base / "hub"
+    hub_repo(hub, "org/tiny", {"1" * 40: 1, "2" * 40: 2}, {"main": "2" * 40, "v1": "1" * 40}, config)
     return start_module_server(name="roots", extra_args=("--weights", f"models={weights}",
+                                                         "--weights", f"hub={hub}",
                                                          "--checkpoints", f"ck={checkpoints}"))
+
+
+def hub_repo(hub, repo: str, commits: dict[str, int], refs: dict[str, str], config) -> None:
+    """A Hugging Face hub cache as huggingface_hub lays it out: each commit's snapshot files are relative
+    links to content-named blobs; refs name commits. Commit c holds a model made with seed commits[c]."""
+    import hashlib
+
+    folder = hub / ("models--" + repo.replace("/", "--"))
+    (folder / "blobs").mkdir(parents=True)
+    (folder / "refs").mkdir()
+    for commit, seed in commits.items():
+        torch.manual_seed(seed)
+        saved = hub / f"saved-{seed}"
+        transformers.GPT2LMHeadModel(config).save_pretrained(saved)
+        snapshot = folder / "snapshots" / commit
+        snapshot.mkdir(parents=True)
+        for file in saved.iterdir():
+            data = file.read_bytes()
+            blob = folder / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.write_bytes(data)
+            (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    for ref, commit in refs.items():
+        (folder / "refs" / ref).write_text(commit)
 
 
 REFUSED = {
@@ -81,3 +107,24 @@ def test_health_names_the_roots_but_never_their_folders(worker, session_for):
     info = session_for(worker).health()
     assert info["weight_roots"] == {"ck": "write", "models": "read"}
     assert not any(os.sep in str(v) for v in info["weight_roots"].values())
+
+
+@pytest.mark.parametrize("revision,seed", [(None, 2), ("v1", 1), ("1" * 40, 1), ("main", 2)])
+def test_a_hub_cache_repository_loads_at_a_revision_offline(worker, session_for, tmp_path, revision, seed):
+    s = session_for(worker)
+    model = remotorch.from_pretrained(transformers.GPT2LMHeadModel, "hub/org/tiny", session=s, revision=revision)
+    hub = next(p for p in worker_roots(worker) if p.name == "hub")
+    want = transformers.GPT2LMHeadModel.from_pretrained(hub / f"saved-{seed}")
+    ids = torch.randint(0, 50, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want(ids).logits)
+    with pytest.raises(errors.CheckpointError, match="no revision 'v9'"):
+        remotorch.from_pretrained(transformers.GPT2LMHeadModel, "hub/org/tiny", session=s, revision="v9")
+
+
+def worker_roots(worker) -> list:
+    """The folders a test worker was started with (from its command line)."""
+    from pathlib import Path
+
+    args = list(worker.proc.args)
+    return [Path(args[i + 1].split("=", 1)[1]) for i, a in enumerate(args) if a in ("--weights", "--checkpoints")]

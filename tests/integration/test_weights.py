@@ -298,3 +298,25 @@ def test_a_session_over_its_quota_is_refused_before_anything_is_read(roots, star
         net = Net()
     remotorch.load_state_dict(net, "models/net.safetensors", session=s)  # small: fits
     assert_still_serves(s, name="small", server=srv)
+
+
+def test_a_fresh_process_with_no_session_uses_the_embedded_worker_and_its_roots(roots):
+    """As a user would start: REMOTORCH_WEIGHTS names the folder, no session is given, nothing else set."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    code = ("import torch, transformers, remotorch\n"
+            "m = remotorch.from_pretrained(transformers.GPT2LMHeadModel, 'models/gpt2')\n"
+            "ids = torch.arange(2, 12).reshape(1, 10)\n"
+            "with torch.no_grad():\n"
+            "    print(m(ids).logits.sum().item(), remotorch.default_session().stats()['values_fetched'])\n")
+    out = subprocess.run([sys.executable, "-c", code], env=clean_env(REMOTORCH_WEIGHTS=f"models={roots[0]}"),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    total, fetched = out.stdout.split()
+    with torch.no_grad():
+        want = local(roots, "gpt2")(torch.arange(2, 12).reshape(1, 10)).logits.sum().item()
+    # (the embedded worker runs its kernels on half the cores, as it shares the machine: sums may round apart)
+    assert float(total) == pytest.approx(want, rel=1e-5) and fetched == "0"
