@@ -31,6 +31,9 @@ _PUBLIC = {
     "compile": ".capture.backend:compile",
     "default_session": ".client.session:default_session",
     "explain": ".profile.explain:explain",
+    "from_pretrained": ".weights:from_pretrained",  # weights on the worker
+    "init_empty_weights": ".weights:init_empty_weights",
+    "load_state_dict": ".weights:load_state_dict",
     "mark_changed": ".training.writes:mark_changed",
     "models": ".devtools.models",  # example models (``from remotorch import models``)
     "optim": ".optim",  # RemoteOptimizer: torch.optim on the worker
@@ -38,6 +41,7 @@ _PUBLIC = {
     "pipeline": ".pipeline",
     "remote_profile": ".profile.profiler:remote_profile",
     "remotorch_backend": ".capture.backend:remotorch_backend",
+    "save": ".weights:save",
     "trace": ".client.trace:trace",
 }
 __all__ = ["errors", *_PUBLIC]
