@@ -44,7 +44,8 @@ _SESSIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def session_of(conn) -> Session | None:
     """The open session of a connection weights were loaded on, if any."""
-    session = _SESSIONS.get(conn)
+    ref = _SESSIONS.get(conn)
+    session = ref() if ref is not None else None
     return session if session is not None and not session.closed else None
 
 
@@ -120,7 +121,7 @@ def load_planned(session: Session, p: Plan, source: str, revision: str = "", con
         base = conn.handles.reserve(n)
         conn.request(m.LoadWeights(source, [k for _, k in p.chosen], list(range(base, base + n)), specs,
                                    revision), expect=m.Ok)
-    _SESSIONS[conn] = session
+    _SESSIONS[conn] = weakref.ref(session)  # (weak both ways: the session owns the connection)
     trainer = session.trainer(conn) if any(w.requires_grad for w, _ in p.chosen) else None
     for i, ((w, _), spec) in enumerate(zip(p.chosen, specs)):
         conn.handles.seen(base + i)
