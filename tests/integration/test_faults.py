@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -40,6 +41,10 @@ t = torch.randn(1 << 19)
 meta, buf = tensor_to_wire(t, 0)
 s.connection.request(m.PutTensors([content_id(meta, buf)], [meta]), [buf])
 print("ready", flush=True)
+sent = s.stats()["messages_sent"]
+while s.stats()["messages_sent"] < sent + 7:  # heartbeats every lease / 3: two leases and more
+    time.sleep(0.05)
+print("idle for two leases", flush=True)
 time.sleep(600)
 """
 CLIENT_BYTES = (1 << 19) * 4
@@ -89,6 +94,19 @@ def start_client(url: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=clean_env())
     assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
     return proc
+
+
+def said(proc: subprocess.Popen, line: str, timeout: float = 60.0) -> bool:
+    """Whether the child prints ``line`` next, within ``timeout`` seconds."""
+    if not select.select([proc.stdout], [], [], timeout)[0]:
+        return False
+    return proc.stdout.readline().strip() == line
+
+
+def heartbeats(session, count: int, timeout: float = LEASE * 20) -> bool:
+    """Wait until ``session`` has sent ``count`` more messages (idle: heartbeats, every LEASE / 3)."""
+    sent = session.stats()["messages_sent"]
+    return wait_until(lambda: session.stats()["messages_sent"] >= sent + count, timeout=timeout)
 
 
 # ----------------------------------------------------------------- worker faults
@@ -169,11 +187,12 @@ def test_killed_client_is_freed_after_the_lease(leased, observer):
     client = start_client(leased.url)
     try:
         assert observer.health()["resident_bytes"] == CLIENT_BYTES
+        assert observer.health()["connections"] == 2
         client.kill()
         client.wait()
         killed = time.monotonic()
-        time.sleep(LEASE / 2)
-        assert observer.health()["resident_bytes"] == CLIENT_BYTES  # the lease holds it a while
+        assert wait_until(lambda: observer.health()["connections"] == 1, timeout=60)  # its connection closed
+        assert observer.health()["resident_bytes"] == CLIENT_BYTES  # and the lease holds it a while
         assert wait_until(lambda: observer.health()["resident_bytes"] == 0, timeout=LEASE * 10)
         assert time.monotonic() - killed >= LEASE * 0.9
     finally:
@@ -183,7 +202,7 @@ def test_killed_client_is_freed_after_the_lease(leased, observer):
 def test_frozen_client_without_heartbeats_is_expired(leased, observer):
     client = start_client(leased.url)
     try:
-        time.sleep(LEASE * 2)  # alive and idle: its heartbeats keep the lease
+        assert said(client, "idle for two leases")  # alive and idle: its heartbeats keep the lease
         assert observer.health()["resident_bytes"] == CLIENT_BYTES
         client.send_signal(signal.SIGSTOP)  # the connection stays open, the heartbeats stop
         assert wait_until(lambda: observer.health()["resident_bytes"] == 0, timeout=LEASE * 10)
@@ -201,7 +220,7 @@ def test_reconnect_within_the_lease_keeps_the_uploads(leased, observer):
         probe()  # a new connection, the same session
         assert session.stats()["tensors_uploaded"] == uploaded
         assert session.stats()["graphs_uploaded"] == 1
-        time.sleep(LEASE * 2)  # idle for two leases: heartbeats keep it
+        assert heartbeats(session, 7)  # idle for two leases: heartbeats keep it
         probe()
         assert session.stats()["tensors_uploaded"] == uploaded
     finally:
