@@ -308,3 +308,35 @@ def test_training_state_survives_a_dropped_connection(leased):
             torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
     finally:
         session.close()
+
+
+def test_requests_in_flight_to_a_worker_that_lost_the_session_each_fail_named(leased, observer):
+    """The link drops with three calls in flight (their replies held in a relay) after the worker let
+    the session's lease run out: the reconnect finds the session gone, and every call in flight
+    fails with WorkerUnavailableError naming what was lost, raised at the next read, once."""
+    from remotorch.devtools.netem import DelayProxy
+
+    with DelayProxy(leased.url) as relay:
+        session = remotorch.Session(relay.url, token=TOKEN, retry_after=0)
+        try:
+            compiled = remotorch.compile(work, session=session, fallback="raise")
+            x = torch.randn(8, 8)
+            with torch.no_grad():
+                compiled(x).sum().item()  # compiled, uploaded; the next calls are sent without waiting
+                session.connection.stop_heartbeats()
+                relay.set_delay(0, down_ms=3600e3)  # the worker's replies stay in the relay
+                ys = [compiled(x) for _ in range(3)]
+                assert wait_until(lambda: observer.health()["resident_bytes"] == 0, timeout=LEASE * 20)
+                assert relay.cut() > 0  # the three replies, lost with the link
+                relay.set_delay(0)
+                with pytest.raises(errors.WorkerUnavailableError,
+                                   match=r"no longer holds this session .*; lost with it: "
+                                         r"graph [0-9a-f]{12} \(\S*test_faults\.py:\d+\) x3$"):
+                    ys[0].sum().item()
+                for y in ys[1:]:  # one failure: each read of what it lost says so
+                    with pytest.raises(errors.WorkerUnavailableError, match="no longer holds this session"):
+                        y.sum().item()
+                session.synchronize()  # raised once: nothing more to raise
+                assert torch.allclose(compiled(x), work(x), atol=1e-6)  # and the session goes on, anew
+        finally:
+            session.close()

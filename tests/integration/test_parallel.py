@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -254,7 +253,7 @@ def test_a_member_that_does_not_join_in_time_is_named(four, session_for):
 
 
 def test_a_replica_killed_mid_step_is_a_typed_error_then_training_resumes_from_a_checkpoint(
-        start_server, session_for):
+        start_server, session_for, monkeypatch):
     workers = [start_server(name=f"victim{i}", extra_args=("--threads", "1")) for i in range(2)]
     spare = start_server(name="spare", extra_args=("--threads", "1"))
     model, (x, y) = mlp(width=64), batch(64)
@@ -265,15 +264,24 @@ def test_a_replica_killed_mid_step_is_a_typed_error_then_training_resumes_from_a
     opt = dp.optimizer(torch.optim.AdamW, lr=1e-2)
     train_remote(dp, x, y, 1, opt=opt)
     checkpoint = dp.state_dict()
-    # replica 1's worker dies while the step runs
-    killer = threading.Timer(0.05, lambda: os.kill(workers[1].proc.pid, signal.SIGKILL))
-    started = time.monotonic()
-    killer.start()
+    # replica 1's worker dies mid-step: killed as the step sends it its first request
+    stream, killed = s.connections()[1].link.stream, []
+
+    def kill_first(send):
+        def sent_then_killed(*args):
+            if not killed:
+                killed.append(time.monotonic())
+                os.kill(workers[1].proc.pid, signal.SIGKILL)
+            return send(*args)
+        return sent_then_killed
+
+    monkeypatch.setattr(stream, "_post", kill_first(stream._post))
+    monkeypatch.setattr(stream, "_exchange", kill_first(stream._exchange))
     with pytest.raises((errors.WorkerUnavailableError, errors.GroupError)):
-        for _ in range(50):  # until the kill lands inside a step
-            dp.step(x, y)
-    killer.join()
-    assert time.monotonic() - started < 10.0 + 30.0  # within the collective timeout, with room for the machine
+        dp.step(x, y)
+    assert killed
+    monkeypatch.undo()
+    assert time.monotonic() - killed[0] < 10.0 + 30.0  # within the collective timeout, with room for the machine
     assert s.connections()[0].request(m.Health(), expect=m.HealthReply)[0].name == "victim0"  # still serves
     s.close()  # brings back what replica 0 holds; the dead replica has nothing to give
     # the user replaces the worker and resumes from the checkpoint: a new group, a new generation
