@@ -63,6 +63,17 @@ def test_the_same_seed_gives_the_same_values_in_another_session_and_on_another_w
     assert here == other_session == other_worker == draws(m)
 
 
+def test_the_same_seed_gives_the_same_values_on_the_inductor_engine_run_after_run(session, make_session):
+    """Inductor draws its own way (not eager's values), from the session's state: the same seed gives
+    the same masks in every session, and two calls two masks."""
+    m = model()
+    assert "inductor" in session.health()["engines"]
+    first = draws(remotorch.compile(m, session=session, engine="inductor", fallback="raise"))
+    assert first[0] != first[1]
+    torch._dynamo.reset()
+    assert draws(remotorch.compile(m, session=make_session(), engine="inductor", fallback="raise")) == first
+
+
 def test_get_and_set_rng_state_round_trip(session):
     compiled = remotorch.compile(model(), session=session, fallback="raise")
     with torch.no_grad():
