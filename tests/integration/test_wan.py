@@ -316,7 +316,8 @@ def cut_once_a_reply_is_held(proxy: DelayProxy, delay_ms: float):
             deadline = time.monotonic() + 120
             while not any(e.down for e in proxy.exchanges()) and time.monotonic() < deadline:
                 time.sleep(0.001)
-            lost.append(proxy.cut())
+            held, gone = any(e.down for e in proxy.exchanges()), proxy.cut()
+            lost.append(gone if held else 0)  # (0: no reply was there to lose)
         finally:
             proxy.set_delay(delay_ms)
 
