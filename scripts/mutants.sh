@@ -12,7 +12,8 @@
 # every survivor not listed there, and every listed one that no longer survives.
 #
 # MUTANTS_CHILDREN: mutants run at once (default 1: a shared machine); MUTANTS_NICE: the niceness
-# (default 15). A group's copy is made afresh on each run (rm -rf mutants/GROUP to drop it).
+# (default 15); MUTANTS_ISOLATION: mutmut's process_isolation, "fork" (default: each mutant forks from
+# the process that ran the tests once, torch on one thread) or "forkserver". A group's copy is made afresh on each run (rm -rf mutants/GROUP to drop it).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
@@ -42,7 +43,7 @@ copy_checkout() {  # the tracked files (and the compiled framing, if built) into
 }
 
 narrow_config() {  # pyproject.toml in $1: [tool.mutmut] for modules $2, tests $3
-    "$py" - "$1/pyproject.toml" "$2" "$3" <<'EOF'
+    "$py" - "$1/pyproject.toml" "$2" "$3" "${MUTANTS_ISOLATION:-fork}" <<'EOF'
 import re, sys
 path, modules, tests = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
 text = open(path, encoding="utf-8").read()
@@ -52,7 +53,7 @@ text += ("\n[tool.mutmut]\nsource_paths = [\"src\"]\n"
          f"only_mutate = {quoted('src/remotorch/' + m for m in modules)}\n"
          f"pytest_add_cli_args_test_selection = {quoted(tests)}\n"
          "pytest_add_cli_args = [\"-p\", \"no:cacheprovider\"]\n"
-         "process_isolation = \"forkserver\"\n"
+         f"process_isolation = \"{sys.argv[4]}\"\n"
          "timeout_constant = 30.0\n")
 open(path, "w", encoding="utf-8").write(text)
 EOF
@@ -104,7 +105,8 @@ for group in "${groups[@]}"; do
     echo "== $group: $modules ($tests)"
     copy_checkout "$work"
     narrow_config "$work" "$modules" "$tests"
-    (cd "$work" && env -u PYTHONPATH nice -n "${MUTANTS_NICE:-15}" "$mutmut" run \
+    # one thread for torch: a forked mutant must not inherit an OpenMP pool (and the tests are tiny)
+    (cd "$work" && env -u PYTHONPATH OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n "${MUTANTS_NICE:-15}" "$mutmut" run \
         --max-children "${MUTANTS_CHILDREN:-1}" > "$work/run.log" 2>&1) \
         || echo "mutmut run exited $? (see $work/run.log)"
     report "$work" "$modules"

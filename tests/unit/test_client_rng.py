@@ -131,7 +131,10 @@ def test_a_draw_while_parked_is_not_eagers_and_says_so_once(gens, caplog):
         link.call(read=False)
         torch.rand(4)
         link.call()
-    assert caplog.text.count("random numbers were drawn here") == 1
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == ["random numbers were drawn here while a remote random graph's generator state was on its "
+                      "worker (before any read there): they are not those a local run would draw. Read a value "
+                      "(or call session.synchronize()) first, or set REMOTORCH_LAUNCH_BLOCKING=1"]
     assert not torch.equal(drawn, eager(6, 3, 4)[1])
     assert gens._owner is None  # the state drawn here went with the next graph
 
@@ -210,3 +213,92 @@ def test_a_fork_gives_each_worker_its_own_stream_and_leaves_the_generator_here(g
     assert same(again, first)  # the same seed: the same streams
     gens.forget(a)
     assert a.call() is not None and a.sent_states[-1] is not None  # forgotten: its stream ended
+
+
+def test_only_the_worker_that_holds_the_state_is_waited_for(gens):
+    a, b = Link(gens), Link(gens)
+    torch.manual_seed(12)
+    a.call(read=False)
+    assert gens.awaited(a) is a.unread[-1][2] and gens.awaited(b) is None
+    a.unread[-1][2].done = True  # its reply is read already: nothing to wait for
+    assert gens.awaited(a) is None
+
+
+def test_a_forgotten_worker_gets_the_state_again_and_a_reseed_while_parked_survives_it(gens):
+    a = Link(gens)
+    gens.forget(Link(gens))  # a link never used: nothing to forget
+    torch.manual_seed(13)
+    a.call()  # read: the worker's copy is the state here
+    gens.forget(a)  # a new session there: it holds nothing
+    a.call()
+    assert a.sent_states[-1] is not None
+    a.call(read=False)
+    torch.manual_seed(99)  # the program reseeded while parked: that state wins
+    want = torch.get_rng_state()
+    gens.forget(a)
+    assert torch.equal(torch.get_rng_state(), want)
+
+
+def test_a_fork_first_brings_the_state_back_from_every_worker_that_holds_it(gens):
+    a, b = Link(gens), Link(gens)
+    torch.manual_seed(14)
+    a.call(read=False)  # the state lives on a
+    gens.fork([a, b])
+    torch.manual_seed(14)
+    torch.rand(3)
+    base = int(torch.empty((), dtype=torch.int64).random_().item())  # drawn after a's graph, here
+    a.call(read=False)
+    assert a.sent_states[-1] == bytes(torch.Generator().manual_seed(base).get_state().numpy())
+
+
+def test_a_fork_goes_on_from_here_when_a_worker_cannot_give_the_state_back(gens):
+    class Lost(Link):
+        def bring_back_generator(self) -> None:  # its worker is gone: no reply comes
+            pass
+
+    lost, other = Lost(gens), Link(gens)
+    torch.manual_seed(15)
+    lost.call(read=False)
+    gens.fork([lost, other])
+    assert gens._owner is None and gens._last is None
+    other.call()
+    assert other.sent_states[-1] is not None
+
+
+def test_a_state_set_back_before_a_reply_came_draws_again_what_it_drew(gens):
+    link = Link(gens)
+    torch.manual_seed(16)
+    link.call()
+    saved = torch.get_rng_state()  # the worker's copy is this state too, until its next graph
+    first = link.call(read=False)
+    torch.set_rng_state(saved)  # set back before that graph's reply came: this state must travel
+    again = link.call()
+    assert link.sent_states[-1] == bytes(saved.numpy())
+    assert torch.equal(first, again)
+
+
+def test_a_call_goes_on_from_here_when_the_worker_holding_the_state_cannot_give_it_back(gens):
+    class Lost(Link):
+        def bring_back_generator(self) -> None:  # its worker is gone: no reply comes
+            pass
+
+    lost, other = Lost(gens), Link(gens)
+    torch.manual_seed(17)
+    lost.call(read=False)
+    assert gens.state_for(other) is not None and gens._owner is None  # the state lives here again
+
+
+def test_a_reply_while_a_later_graph_is_in_flight_does_not_make_the_workers_copy_current(gens):
+    want = eager(18, 3, 3, 3, 3)
+    link = Link(gens)
+    torch.manual_seed(18)
+    got = [link.call(), link.call(read=False), link.call(read=False)]
+    (epoch, changes, launched), _ = link.unread
+    launched.done = True
+    gens.answered(link, epoch, changes)  # the first reply: its copy is two draws in; a third is on its way
+    torch.manual_seed(18)
+    torch.rand(3)
+    torch.rand(3)  # the program sets the state two draws in: the worker's copy was that, a graph ago
+    again = link.call()
+    assert link.sent_states[-1] is not None  # it must travel: the worker has moved on
+    assert same(got + [again], want[:3] + [want[2]])
