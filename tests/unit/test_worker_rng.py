@@ -8,6 +8,8 @@ what the client is told is exactly the bytes that changed since it last knew.
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -104,3 +106,55 @@ def test_a_failed_run_keeps_what_it_drew_and_forget_ends_a_session(gens):
     assert gens.changes("a") == []
     torch.manual_seed(8)
     assert torch.equal(gens.run("a", b"", draw), eager(8, 1)[0])  # a new session: the worker's state again
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's generator calls over a CPU generator standing for device 0's (the CUDA path's logic
+    on a machine without CUDA): the generator, and the devices each call named."""
+    gen = torch.Generator()
+    devices: list = []
+
+    def set_state(state, device):
+        devices.append(device)
+        gen.set_state(state)
+
+    def get_state(device):
+        devices.append(device)
+        return gen.get_state()
+
+    monkeypatch.setattr(torch.cuda, "default_generators", (gen,))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", get_state)
+    return gen, devices
+
+
+def cuda_seed(cpu_state: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(cpu_state).digest()[:8], "little") >> 1
+
+
+def test_on_a_cuda_worker_each_session_draws_from_a_cuda_state_seeded_from_its_own(fake_cuda):
+    gen, devices = fake_cuda
+    saved = torch.get_rng_state()
+    try:
+        gens = Generators(torch.device("cuda", 0))
+
+        def draw():
+            return torch.rand(5, generator=gen)
+
+        a, b = [], []
+        a.append(gens.run("a", state_of(1), draw))
+        b.append(gens.run("b", state_of(2), draw))
+        a.append(gens.run("a", b"", draw))
+        b.append(gens.run("b", b"", draw))
+        assert all(torch.equal(g, w) for g, w in zip(a, eager(cuda_seed(state_of(1)), 2)))
+        assert all(torch.equal(g, w) for g, w in zip(b, eager(cuda_seed(state_of(2)), 2)))
+        assert devices and set(devices) == {torch.device("cuda", 0)}
+        torch.manual_seed(9)  # a session that sent no state: seeded from the worker's own CPU state
+        assert torch.equal(gens.run("c", b"", draw), eager(cuda_seed(state_of(9)), 1)[0])
+        gen.manual_seed(77)
+        before = gen.get_state()
+        gens._cuda_seeded(state_of(3))  # seeding a state leaves the device's generator as it was
+        assert torch.equal(gen.get_state(), before)
+    finally:
+        torch.set_rng_state(saved)
