@@ -169,7 +169,8 @@ def test_a_memory_quota_counts_every_session_of_the_tenant(tenancy):
     assert why == ("tenant alice would hold 1001 bytes on the worker, over its memory quota of 1000 "
                    "(its 2 session(s) hold 700 now)")
     tenancy.connected(6, A)  # a connection whose first request is not counted yet counts too
-    assert "its 3 session(s) hold 700 now" in tenancy.over_quota(6, 301, lambda key: held.get(key, 0))
+    held[6] = 50
+    assert "its 3 session(s) hold 750 now" in tenancy.over_quota(6, 251, held.get)
     assert tenancy.over_quota(3, 10 ** 9, held.get) == ""  # bob has no quota
     assert tenancy.over_quota(99, 10 ** 9, held.get) == ""  # nor the unnamed tenant
 
@@ -197,3 +198,17 @@ def test_a_graph_calling_an_operator_outside_the_allowed_namespaces_is_refused()
     with pytest.raises(UnsupportedGraphError, match="rmtest_lib"):
         check_namespaces(gm, frozenset())
     check_namespaces(make_fx(lambda x: x.relu() + 1)(torch.randn(3)), frozenset())  # aten: always
+
+
+def test_a_lease_no_tenant_claimed_and_a_plain_connection_without_token_are_nobodys(tokens):
+    tenancy = Tenancy(Tenants(str(tokens), "plain-token"), LeaseTable(30.0))
+    tenancy.leases.attach(1, "orphan-session-001")  # (attached without the tenancy's check)
+    orphan = tenancy.leases.lookup("orphan-session-001")
+    worker = frozenset({"rmtest_lib"})
+    assert not tenancy.operator(orphan) and tenancy.allowed_ops(orphan, worker) == worker
+    assert tenancy.over_quota(orphan, 10 ** 9, lambda key: 0) == ""
+    named_only = Tenancy(Tenants(str(tokens)), LeaseTable(30.0))  # no --token: no unnamed tenant
+    named_only.connected(2, None)
+    for key in (2, 99):
+        assert not named_only.operator(key) and named_only.allowed_ops(key, worker) == worker
+        assert named_only.over_quota(key, 10 ** 9, lambda k: 0) == ""
