@@ -54,7 +54,7 @@ text += ("\n[tool.mutmut]\nsource_paths = [\"src\"]\n"
          f"pytest_add_cli_args_test_selection = {quoted(tests)}\n"
          "pytest_add_cli_args = [\"-p\", \"no:cacheprovider\"]\n"
          f"process_isolation = \"{sys.argv[4]}\"\n"
-         "timeout_constant = 30.0\n")
+         "timeout_constant = 2.0\n")
 open(path, "w", encoding="utf-8").write(text)
 EOF
 }

@@ -95,3 +95,28 @@ def test_a_reply_without_frames_counts_its_header_and_other_sessions_keep_theirs
     assert r.held_bytes() == len(header) and r.answered("s", 1) == (header, [])
     r.acknowledge("s", 1)
     assert r.unacknowledged() == 0 and r.held_bytes() == 0
+
+
+def test_a_request_that_acknowledges_nothing_forgets_nothing_and_an_ended_session_is_forgotten():
+    r = replays()
+    first, second = reply(1), reply(2)
+    r.ran("s", 1, first)  # no ack given: it acknowledges nothing
+    r.ran("s", 2, second)
+    r.settle()
+    assert r.answered("s", 1) is first and r.answered("s", 2) is second
+    r.forget("s")  # the session ended: a client with its id starts afresh
+    assert r.answered("s", 1) is None and r.unacknowledged() == 0
+    header = m.encode(m.Ok())
+    r.ran("t", 1, (header, None))  # a reply with no frames at all
+    r.settle()
+    assert r.held_bytes() == len(header)
+
+
+def test_a_reply_no_longer_kept_is_an_error_saying_why():
+    r = replays()
+    r.ran("s", 1, reply(1))
+    r.ran("s", 2, reply(1), ack=1)
+    r.settle()
+    error = m.decode(r.answered("s", 1)[0])
+    assert error.message == ("request 1 was sent again after a dropped connection: it ran already, and its reply "
+                             "could not be kept for so long (the client read no reply for too long)")
