@@ -60,6 +60,9 @@ def test_a_session_that_never_sent_a_state_starts_from_the_workers_own_and_keeps
     torch.manual_seed(9)
     want = eager(9, 2)
     assert torch.equal(gens.run("a", b"", draw), want[0])
+    g = torch.Generator().manual_seed(9)
+    torch.rand(5, generator=g)  # what it was told is the change from the worker's own state
+    assert patched(state_of(9), gens.changes("a")) == bytes(g.get_state().numpy())
     torch.manual_seed(123)  # the worker's generator moves on: the session's state is its own now
     assert torch.equal(gens.run("a", b"", draw), want[1])
 
@@ -156,5 +159,7 @@ def test_on_a_cuda_worker_each_session_draws_from_a_cuda_state_seeded_from_its_o
         before = gen.get_state()
         gens._cuda_seeded(state_of(3))  # seeding a state leaves the device's generator as it was
         assert torch.equal(gen.get_state(), before)
+        seeded = Generators(torch.device("cuda"))._cuda_seeded(state_of(3))  # "cuda": the current device, 0
+        assert torch.equal(seeded, torch.Generator().manual_seed(cuda_seed(state_of(3))).get_state())
     finally:
         torch.set_rng_state(saved)
