@@ -93,3 +93,14 @@ def test_outputs_kept_on_the_worker_are_those_not_needed_here_nor_read_before():
     ps = policies.Policies()
     assert ps.of(graph) is ps.of(SimpleNamespace(graph_id="g")) and ps.of(graph) is not p
     assert ps.of(SimpleNamespace(graph_id="other")) is not ps.of(graph)
+
+
+def test_a_probe_goes_out_once_exactly_the_floor_has_passed(clock, monkeypatch):
+    monkeypatch.setattr(policies, "PROBE_MIN_S", 0.25)  # (sums exact in binary)
+    clock.now = 64.0
+    p = taught()
+    assert [p.waits() for _ in range(2)] == [True, False]  # the first probe
+    clock.now = 64.125
+    assert [p.waits() for _ in range(4)] == [True] * 4  # probe_every 4, but within the floor: all wait
+    clock.now = 64.25
+    assert not p.waits()  # the floor has passed: this one probes
