@@ -155,7 +155,8 @@ def test_a_reload_of_a_broken_file_changes_nothing(tenancy, tokens, caplog):
     tokens.write_text("[tenants.alice\n")
     with caplog.at_level(logging.ERROR, logger="remotorch.worker.tenancy"):
         assert tenancy.reload(lambda key: pytest.fail("nothing ends")) == []
-    assert "tokens file not reloaded" in caplog.text
+    (record,) = caplog.records
+    assert record.getMessage().startswith(f"tokens file not reloaded (everything stays as it was): {tokens}: not TOML")
     assert tenancy.name(1) == "alice"
 
 
@@ -212,3 +213,15 @@ def test_a_lease_no_tenant_claimed_and_a_plain_connection_without_token_are_nobo
     for key in (2, 99):
         assert not named_only.operator(key) and named_only.allowed_ops(key, worker) == worker
         assert named_only.over_quota(key, 10 ** 9, lambda k: 0) == ""
+
+
+def test_a_tenant_revoked_while_nobody_was_connected_as_it_is_named_and_others_stay(tokens, caplog):
+    tenancy = Tenancy(Tenants(str(tokens)), LeaseTable(30.0))  # named tenants only
+    tenancy.connected(3, B)
+    tenancy.disconnected(42)  # (a connection never announced: nothing to forget)
+    tokens.write_text(table("bob", "bob-token", "requests_per_second = 2", "operator = true"))
+    with caplog.at_level(logging.WARNING, logger="remotorch.worker.tenancy"):
+        assert tenancy.reload(lambda key: pytest.fail("no session of alice's")) == ["alice"]
+    assert caplog.records[-1].getMessage() == "tokens reloaded: revoked ['alice']; 0 connection(s) refused from now on"
+    assert tenancy.name(3) == "bob"  # bob's connection is untouched
+    tenancy.admit(3, stream=True)

@@ -66,6 +66,11 @@ def test_a_reload_returns_the_revoked_key_ids_and_keeps_unchanged_tenants(tmp_pa
     path.write_text(bob)
     assert tenants.reload() == [handshake.key_id(token_hash("alice-token"))]
     assert tenants.get(handshake.key_id(token_hash("bob-token"))) is kept  # its request budget goes on
+    path.write_text(bob.replace("requests_per_second = 2", "requests_per_second = 3"))
+    assert tenants.reload() == []
+    changed = tenants.get(handshake.key_id(token_hash("bob-token")))
+    assert changed is not kept and changed.requests_per_second == 3.0  # changed limits: a new tenant object
+    kept = changed
     path.write_text("[tenants.bob\n")
     with pytest.raises(TokensFileError):
         tenants.reload()
