@@ -158,7 +158,7 @@ class Tenancy:
             self._own.difference_update(doomed)
         for cid in own:
             end_session(cid)
-        names = sorted(before.get(k, "?") for k in gone)
+        names = sorted(before[k] for k in gone)
         log.warning("tokens reloaded: revoked %s; %d connection(s) refused from now on", names, len(doomed))
         return names
 
