@@ -99,7 +99,7 @@ def test_a_lease_belongs_to_the_tenant_that_made_it(tenancy):
     leases.attach(1, "alice-session-0001")
     tenancy.attached(1, "alice-session-0001")
     assert leases.lookup("alice-session-0001").kid == A
-    with pytest.raises(InvalidRequestError, match="no such session for this token"):
+    with pytest.raises(InvalidRequestError, match="^no such session for this token$"):
         tenancy.attach(2, "alice-session-0001")  # bob cannot take alice's session
     tenancy.attach(3, "alice-session-0001")  # alice, on another connection, can
     assert tenancy.sessions(A) == [leases.lookup("alice-session-0001")]
@@ -121,8 +121,13 @@ def test_attaching_ends_a_connections_own_session_and_a_revoked_one_may_not_atta
     tenancy.attached(1, "alice-session-0001")
     assert tenancy.sessions(A) == [tenancy.leases.lookup("alice-session-0001")]  # one session, not two
     tenancy.connected(5, key_id(token_hash("mallory-token")))
-    with pytest.raises(AuthenticationError, match="revoked"):
+    with pytest.raises(AuthenticationError, match="^this connection's token was revoked: its sessions ended$"):
         tenancy.attach(5, "mallory-session-01")
+    tenancy.attached(5, "mallory-session-01")  # (no such lease, and no tenant: nothing to claim)
+    tenancy.attached(5, "alice-session-0001")  # a connection of no tenant claims nothing
+    assert tenancy.leases.lookup("alice-session-0001").kid == A
+    tenancy.leases.release(1)  # its session ended (Detach): the connection serves none until it streams
+    assert tenancy.sessions(A) == []
 
 
 def test_a_reload_ends_the_revoked_tenants_sessions_and_refuses_their_connections(tenancy, tokens, caplog):
@@ -225,3 +230,13 @@ def test_a_tenant_revoked_while_nobody_was_connected_as_it_is_named_and_others_s
     assert caplog.records[-1].getMessage() == "tokens reloaded: revoked ['alice']; 0 connection(s) refused from now on"
     assert tenancy.name(3) == "bob"  # bob's connection is untouched
     tenancy.admit(3, stream=True)
+
+
+def test_a_connection_that_served_as_its_own_session_may_attach_at_its_tenants_limit(tenancy):
+    for cid in (1, 2):
+        tenancy.connected(cid, A)
+        tenancy.admit(cid, stream=True)  # alice's two sessions: her limit
+    tenancy.attach(1, "alice-session-0001")  # 1 becomes a lease: still two sessions, not three
+    tenancy.leases.attach(1, "alice-session-0001")
+    tenancy.attached(1, "alice-session-0001")
+    assert len(tenancy.sessions(A)) == 2
