@@ -39,6 +39,12 @@ memory_quota = 1048576
     ('[tenants.alice]\ntoken_sha256 = "abc"\n', "token_sha256 must be 64 hex digits"),
     (f'[tenants."al ice"]\ntoken_sha256 = "{HASH}"\n', "a name is 1 to 64 characters"),
     (f'[tenants.alice]\ntoken_sha256 = "{HASH}"\nmemory_quota = "lots"\n', "memory_quota: not a size"),
+    (f'[tenants.alice]\ntoken_sha256 = "{HASH}"\nmax_sessions = true\n', "max_sessions must be"),
+    (f'[tenants.alice]\ntoken_sha256 = "{HASH}"\nrequests_per_second = true\n', "requests_per_second must be"),
+    (f'[tenants.alice]\ntoken_sha256 = "{HASH}"\nrequests_per_second = 0\n', "requests_per_second must be"),
+    (f'[tenants.alice]\ntoken_sha256 = "{HASH}"\nallow_ops = [""]\n', "allow_ops must be a list"),
+    (f'[tenants.alice]\ntoken_sha256 = "{HASH}"\noperator = "yes"\n',
+     "[tenants.alice]: operator must be true or false"),
     (f'[tenants.alice]\ntoken_sha256 = "{HASH}"\nmemory_quota = 1.5\n',
      "[tenants.alice]: memory_quota: a size such as 2G, or a number of bytes"),
     (f'[tenants.alice]\ntoken_sha256 = "{HASH}"\nmemory_quota = -1\n',
@@ -83,7 +89,7 @@ def test_token_is_the_unnamed_tenant_and_may_not_also_be_in_the_file(tmp_path):
     tenants = Tenants(str(path), "plain-token")
     assert tenants.names() == ["", "alice"] and tenants.legacy_token == b"plain-token"
     assert tenants.get(None).name == ""
-    with pytest.raises(TokensFileError, match="--token is also a tenant's token"):
+    with pytest.raises(TokensFileError, match="^--token is also a tenant's token in the tokens file$"):
         Tenants(str(path), "alice-token")
 
 
@@ -127,3 +133,29 @@ def test_a_keyed_hello_picks_its_tenant_and_an_unknown_key_is_answered_as_a_wron
     client, server = _handshake(lambda s: handshake.accept_handshake(s, tenants.legacy_token, 7, None,
                                                                       tenants.secret), b"mallory-token")
     assert isinstance(client, AuthFailed) and "does not share this token" in str(client)
+
+
+def test_the_smallest_limits_are_admitted():
+    (t,) = parse_tokens(f'[tenants.alice]\ntoken_sha256 = "{HASH}"\nmemory_quota = 0\nmax_sessions = 1\n'
+                        'requests_per_second = 0.5\n').values()
+    assert (t.memory_quota, t.max_sessions, t.requests_per_second) == (0, 1, 0.5)
+
+
+def test_without_a_file_the_token_or_the_empty_one_is_the_only_tenant(tmp_path):
+    plain = Tenants(None, "plain-token")
+    assert plain.names() == [""] and plain.get(None).token_sha256 == token_hash("plain-token")
+    empty = Tenants()  # a loopback worker without a token: the empty token
+    assert empty.legacy_token == b"" and empty.get(None).token_sha256 == token_hash("")
+    assert empty.secret(handshake.key_id(token_hash(""))) == token_hash("")
+    with pytest.raises(TokensFileError, match="^cannot read the tokens file: "):
+        Tenants(str(tmp_path / "missing.toml"))
+
+
+def test_a_file_only_worker_has_no_unnamed_tenant_whatever_the_file_holds(tmp_path):
+    path = tmp_path / "tokens.toml"
+    path.write_text(f'[tenants.nobody]\ntoken_sha256 = "{token_hash("").hex()}"\n'
+                    f'[tenants.XXXX]\ntoken_sha256 = "{HASH}"\n')
+    tenants = Tenants(str(path))
+    assert tenants.get(None) is None and tenants.legacy_token is None  # a hello without a key id: no one
+    both = Tenants(str(path), "plain-token")  # a tenant's name never clashes with the unnamed one
+    assert both.names() == ["", "XXXX", "nobody"]
