@@ -148,7 +148,7 @@ def test_a_reload_ends_the_revoked_tenants_sessions_and_refuses_their_connection
     assert tenancy.leases.lookup("alice-session-0001") is None
     for cid in (1, 2):
         assert tenancy.tenant(cid) is None
-        with pytest.raises(AuthenticationError, match="revoked"):
+        with pytest.raises(AuthenticationError, match="^this connection's token was revoked: its sessions ended$"):
             tenancy.admit(cid, stream=False, liveness=True)
     assert tenancy.name(3) == "bob" and tenancy.name(4) == ""  # everyone else untouched
     assert tenancy.sessions(B) == [3]
@@ -199,11 +199,21 @@ def test_a_graph_calling_an_operator_outside_the_allowed_namespaces_is_refused()
 
     import custom_ops_lib  # noqa: F401 (registers rmtest_lib)
 
-    gm = make_fx(lambda x, y: torch.ops.rmtest_lib.scaled_add(x, y, 2.0).relu())(torch.randn(3), torch.randn(3))
+    def custom(x, y):
+        return torch.ops.rmtest_lib.scaled_add(x, y, 2.0).relu()
+
+    gm = make_fx(custom)(torch.randn(3), torch.randn(3))
     check_namespaces(gm, frozenset({"rmtest_lib"}))
-    with pytest.raises(UnsupportedGraphError, match="rmtest_lib"):
+    with pytest.raises(UnsupportedGraphError, match=r"^operation rmtest_lib::scaled_add cannot run remotely: "
+                                                    r"the worker does not allow custom operators of namespace "
+                                                    r"'rmtest_lib'"):
         check_namespaces(gm, frozenset())
-    check_namespaces(make_fx(lambda x: x.relu() + 1)(torch.randn(3)), frozenset())  # aten: always
+    plain = make_fx(lambda x: x.unbind(0)[0].relu() + 1)(torch.randn(2, 3))  # aten and getitem: always
+    check_namespaces(plain, frozenset())
+    plain.add_submodule("lin", torch.nn.Linear(2, 2))  # a module without a graph, then a subgraph with one
+    plain.add_submodule("sub", gm)
+    with pytest.raises(UnsupportedGraphError, match="rmtest_lib"):
+        check_namespaces(plain, frozenset())
 
 
 def test_a_lease_no_tenant_claimed_and_a_plain_connection_without_token_are_nobodys(tokens):

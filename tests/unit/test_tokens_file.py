@@ -39,6 +39,10 @@ memory_quota = 1048576
     ('[tenants.alice]\ntoken_sha256 = "abc"\n', "token_sha256 must be 64 hex digits"),
     (f'[tenants."al ice"]\ntoken_sha256 = "{HASH}"\n', "a name is 1 to 64 characters"),
     (f'[tenants.alice]\ntoken_sha256 = "{HASH}"\nmemory_quota = "lots"\n', "memory_quota: not a size"),
+    ("tenants = 5\n", "tokens.toml: 'tenants' must be tables: [tenants.NAME]"),
+    ("[tenants]\nalice = 5\n", "tokens.toml: [tenants.alice]: must be a table"),
+    ('[tenants.alice]\ntoken_sha256 = "abc"\n', "tokens.toml: [tenants.alice]: token_sha256 must be 64 hex digits "
+                                              "(remotorch token new alice prints a token and its table)"),
     (f'[tenants.alice]\ntoken_sha256 = "{HASH}"\nmax_sessions = true\n', "max_sessions must be"),
     (f'[tenants.alice]\ntoken_sha256 = "{HASH}"\nrequests_per_second = true\n', "requests_per_second must be"),
     (f'[tenants.alice]\ntoken_sha256 = "{HASH}"\nrequests_per_second = 0\n', "requests_per_second must be"),
@@ -159,3 +163,11 @@ def test_a_file_only_worker_has_no_unnamed_tenant_whatever_the_file_holds(tmp_pa
     assert tenants.get(None) is None and tenants.legacy_token is None  # a hello without a key id: no one
     both = Tenants(str(path), "plain-token")  # a tenant's name never clashes with the unnamed one
     assert both.names() == ["", "XXXX", "nobody"]
+
+
+def test_an_empty_file_admits_no_one_and_a_digest_may_be_upper_case():
+    assert parse_tokens("") == {}
+    (t,) = parse_tokens(f'[tenants.alice]\ntoken_sha256 = "{HASH.upper()}"\n').values()
+    assert t.token_sha256 == token_hash("alice-token")
+    with pytest.raises(TokensFileError, match="^tokens file: not TOML"):  # the source's default name
+        parse_tokens("[tenants.alice\n")
