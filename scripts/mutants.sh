@@ -12,7 +12,7 @@
 # every survivor not listed there, and every listed one that no longer survives.
 #
 # MUTANTS_CHILDREN: mutants run at once (default 1: a shared machine); MUTANTS_NICE: the niceness
-# (default 15); MUTANTS_ISOLATION: mutmut's process_isolation, "fork" (default: each mutant forks from
+# (default 15); MUTANTS_REPORT_ONLY=1: print the last run's table again; MUTANTS_ISOLATION: mutmut's process_isolation, "fork" (default: each mutant forks from
 # the process that ran the tests once, torch on one thread) or "forkserver". A group's copy is made afresh on each run (rm -rf mutants/GROUP to drop it).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -103,11 +103,13 @@ for group in "${groups[@]}"; do
     tests="${spec#*|}"
     work="$repo/mutants/$group"
     echo "== $group: $modules ($tests)"
-    copy_checkout "$work"
-    narrow_config "$work" "$modules" "$tests"
-    # one thread for torch: a forked mutant must not inherit an OpenMP pool (and the tests are tiny)
-    (cd "$work" && env -u PYTHONPATH OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n "${MUTANTS_NICE:-15}" "$mutmut" run \
-        --max-children "${MUTANTS_CHILDREN:-1}" > "$work/run.log" 2>&1) \
-        || echo "mutmut run exited $? (see $work/run.log)"
+    if [[ "${MUTANTS_REPORT_ONLY:-0}" == 0 ]]; then  # 1: the table of the last run again (equivalents re-read)
+        copy_checkout "$work"
+        narrow_config "$work" "$modules" "$tests"
+        # one thread for torch: a forked mutant must not inherit an OpenMP pool (and the tests are tiny)
+        (cd "$work" && env -u PYTHONPATH OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n "${MUTANTS_NICE:-15}" \
+            "$mutmut" run --max-children "${MUTANTS_CHILDREN:-1}" > "$work/run.log" 2>&1) \
+            || echo "mutmut run exited $? (see $work/run.log)"
+    fi
     report "$work" "$modules"
 done
