@@ -215,6 +215,10 @@ class Tenants:
     def names(self) -> list[str]:
         return sorted(t.name for t in self._by_key.values())
 
+    def all(self) -> list[Tenant]:
+        """Every tenant admitted now."""
+        return list(self._by_key.values())
+
     def reload(self) -> list[bytes]:
         """Read the file again; the key ids no longer admitted (their holders' sessions end).
 
