@@ -149,7 +149,8 @@ def measure(root: Path, name: str, nbytes: int, largest: int, runs: int) -> dict
                 else:
                     got = run_json([SAFE_OPEN, path, "1" if which == "copy" else "0"])
                     rows["safe_open get_tensor (lazy)" if which == "lazy" else "safe_open + clone"].append(got["s"])
-        worst = {k: max(c[k] for c in clients) for k in ("growth", "sent", "received", "waits", "worker_extra")}
+        worst = {k: max(c[k] for c in clients) for k in ("growth", "sent", "received", "waits", "worker_extra",
+                                                         "worker_held")}
         return {"rows": {k: statistics.median(v) for k, v in rows.items()},
                 "client": {**clients[-1], **worst}, "nbytes": nbytes, "largest": largest}
     finally:
@@ -166,7 +167,7 @@ def report(gb: float, got: dict) -> None:
     for label, s in got["rows"].items():
         print(f"  {label:30s} {s * 1e3:9.1f} ms   {s / base:5.2f} x safe_open + clone")
     print(f"client: the worst run: growth {c['growth'] / mib:.1f} MiB, sent {c['sent'] / 1024:.1f} KiB")
-    print(f"worker: holds {c['worker_held'] / mib:.1f} MiB more after the load; its peak during the load was "
+    print(f"worker: holds up to {c['worker_held'] / mib:.1f} MiB more after a load; its peak during a load was at most "
           f"{c['worker_extra'] / mib:.1f} MiB above that (largest tensor {got['largest'] / mib:.1f} MiB, "
           f"largest file {got['nbytes'] / mib:.1f} MiB)")
 
