@@ -326,9 +326,12 @@ def test_requests_in_flight_to_a_worker_that_lost_the_session_each_fail_named(le
                 session.connection.stop_heartbeats()
                 relay.set_delay(0, down_ms=3600e3)  # the worker's replies stay in the relay
                 ys = [compiled(x) for _ in range(3)]
+                # the worker ran them (their outputs are held there, their replies in the relay), then the
+                # lease ran out and it freed them
+                assert wait_until(lambda: observer.health()["resident_bytes"] > 0, timeout=60)
                 assert wait_until(lambda: observer.health()["resident_bytes"] == 0, timeout=LEASE * 20)
-                assert relay.cut() > 0  # the three replies, lost with the link
-                relay.set_delay(0)
+                relay.set_delay(0)  # before the cut: the reconnect's handshake must not wait in the relay
+                assert relay.cut() > 0  # the three replies (held with the delay they came with), lost with the link
                 with pytest.raises(errors.WorkerUnavailableError,
                                    match=r"no longer holds this session .*; lost with it: "
                                          r"graph [0-9a-f]{12} \(\S*test_faults\.py:\d+\) x3$"):

@@ -105,7 +105,7 @@ def test_a_worker_with_no_roots_refuses_every_load_and_save(server, session):
 
 def test_health_names_the_roots_but_never_their_folders(worker, session_for):
     info = session_for(worker).health()
-    assert info["weight_roots"] == {"ck": "write", "models": "read"}
+    assert info["weight_roots"] == {"ck": "write", "hub": "read", "models": "read"}
     assert not any(os.sep in str(v) for v in info["weight_roots"].values())
 
 
