@@ -201,7 +201,7 @@ def part_throughput(workers: Workers, device: str, quick: bool) -> dict:
         math_rate = _math_rate(local_fwd, units, blocks)
     out["forward"] = dict(local_steps_s=local_rate, remote_steps_s=remote_rate, ratio=remote_rate / local_rate,
                           local_math_steps_s=math_rate, ratio_to_math=remote_rate / math_rate,
-                          loss_local=want, loss_remote=got, status="PASS" if remote_rate >= 0.9 * local_rate else "FAIL")
+                          loss_local=want, loss_remote=got, status=_speed(remote_rate, local_rate, quick, want, got))
     del local, remote
     torch._dynamo.reset()
     # training step
@@ -234,9 +234,17 @@ def part_throughput(workers: Workers, device: str, quick: bool) -> dict:
     out["train"] = dict(local_steps_s=local_rate, remote_steps_s=remote_rate, ratio=remote_rate / local_rate,
                         local_math_steps_s=math_rate, ratio_to_math=remote_rate / math_rate,
                         first_loss_local=first_local, first_loss_remote=first_remote,
-                        status="PASS" if remote_rate >= 0.9 * local_rate else "FAIL")
+                        status=_speed(remote_rate, local_rate, quick, first_local, first_remote))
     out["config"] = dict(size, batch=batch, seq=seq, steps_per_block=units, blocks=blocks)
     return out
+
+
+def _speed(remote_rate: float, local_rate: float, quick: bool, want: float, got: float) -> str:
+    """PASS when remote runs at 0.9 of local speed at least; with ``--quick`` (a check of the script, where
+    the client and its worker share one CPU) when the losses agree, whatever the speed."""
+    if quick:
+        return "PASS" if abs(got - want) <= 1e-4 * max(1.0, abs(want)) else "FAIL"
+    return "PASS" if remote_rate >= 0.9 * local_rate else "FAIL"
 
 
 def part_profile(workers: Workers, device: str) -> dict:

@@ -28,6 +28,7 @@ from ..transport import TcpTransport, Transport
 from ..transport.tls import client_context
 from .rng import GENERATORS
 from .launched import Launched
+from .probe import parse_reply
 from .stream import QueueLimits, Stream
 
 log = logging.getLogger(__name__)
@@ -325,23 +326,6 @@ class Link:
     def idle(self) -> bool:
         """No launched call waits for its reply."""
         return not self.stream.inflight and self.stream.coalesced is None
-
-
-def parse_reply(header: bytes, url: str | None, expect: type | None = None) -> object:
-    """Decode a reply's frame 0; an ``ErrorReply`` is raised as its ``RemoteError``; a reply that
-    is not of type ``expect`` is a ``ProtocolError``."""
-    try:
-        reply = m.decode(header)
-    except Exception as exc:
-        raise errors.ProtocolError(f"unreadable reply from worker {url or 'local'}: {exc}") from None
-    if type(reply) is m.ErrorReply:
-        raise errors.from_reply(reply.kind, reply.message, reply.traceback, graphs=reply.graphs,
-                                tensors=reply.tensors, handles=reply.handles, slots=reply.slots,
-                                optims=reply.optims, bindings=reply.bindings)
-    if expect is not None and type(reply) is not expect:
-        raise errors.ProtocolError(f"worker {url or 'local'} answered with {type(reply).__name__}, "
-                                   f"not {expect.__name__}")
-    return reply
 
 
 def _heartbeats(ref: weakref.ref, stop: threading.Event) -> None:

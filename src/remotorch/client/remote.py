@@ -70,7 +70,7 @@ class RemoteRef:
     """
 
     __slots__ = ("handle", "conn", "policy", "index", "copies", "launched", "recompute", "root", "views",
-                 "written", "__weakref__")
+                 "written", "stays", "__weakref__")
 
     def __init__(self, handle: int, conn: Connection, policy=None, index: int = -1, launched=None) -> None:
         self.handle = handle
@@ -83,6 +83,7 @@ class RemoteRef:
         self.root: weakref.ref | None = None  # the placeholder of the whole value (its views hold it)
         self.views: list[weakref.ref] = []  # lazy views of it (they share its local buffer)
         self.written = False  # an eager call wrote into the worker's value (a reply's copy of it is stale)
+        self.stays = False  # its home is the worker (weights it loaded): not fetched when the session ends
 
     def __del__(self) -> None:
         # runs in garbage collection, on any thread: only queue appends
@@ -125,7 +126,7 @@ NO_FETCH = {
     Tensor.size, Tensor.stride, Tensor.dim, Tensor.ndimension, Tensor.numel, Tensor.nelement,
     Tensor.element_size, Tensor.is_contiguous, Tensor.storage_offset, Tensor.__len__,
     Tensor.is_floating_point, Tensor.is_complex, Tensor.get_device, Tensor.__hash__,
-    Tensor.requires_grad_, Tensor.is_signed, Tensor._is_view, Tensor.backward,
+    Tensor.requires_grad_, Tensor.is_signed, Tensor._is_view, Tensor.backward, Tensor.data_ptr,
 } | {_getter(n) for n in (
     "shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "grad_fn", "layout",
     "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested", "is_mkldnn",
@@ -402,6 +403,12 @@ def _lazy_view(func, src: RemoteTensor, args, kwargs):
 def remote_ref(t) -> RemoteRef | None:
     """The handle a still-remote placeholder stands for, else None (also for every other value)."""
     return t.__dict__.get("_rt_ref") if type(t) in REMOTE else None
+
+
+def stays_remote(t: RemoteTensor) -> None:
+    """Let a placeholder's value live on its worker: closing the session does not fetch it (weights the
+    worker loaded itself; ``Session.pull`` brings them here when asked)."""
+    t.__dict__["_rt_ref"].stays = True
 
 
 def arg_of(t: RemoteTensor) -> m.HandleArg | m.ViewArg:

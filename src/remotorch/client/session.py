@@ -25,6 +25,7 @@ from .. import errors
 from ..codec import messages as m
 from ..config import from_env, parse_spin_us
 from ..transport import Transport
+from . import values
 from .connection import Connection, ContentIds, Graph
 from .stream import QueueLimits
 from .eager import install as install_eager
@@ -32,6 +33,7 @@ from .embedded import EmbeddedWorker
 from .progress import upload_bar
 from .runner import GraphRunner, Trainer
 from .pool import Pool, split_urls
+from .wiring import ensure as _join_parts
 
 
 class Session(GraphRunner):
@@ -83,6 +85,12 @@ class Session(GraphRunner):
     ``blocking`` (default ``REMOTORCH_LAUNCH_BLOCKING``) makes every request
     wait for its reply, for debugging.
 
+    ``weights`` and ``checkpoints`` (default ``REMOTORCH_WEIGHTS``,
+    ``REMOTORCH_CHECKPOINTS``: ``NAME=DIR,NAME=DIR``) name the folders the
+    *embedded* worker may read weights from and write checkpoints into
+    (``{"models": "/data/models"}``: see :func:`remotorch.from_pretrained`); a
+    worker elsewhere reads what its ``remotorch serve --weights`` says.
+
     ``allow_ops`` (default ``REMOTORCH_ALLOW_OPS``) lists namespaces of
     library custom operators the *embedded* worker may run
     (``["transformers"]``), with ``worker_imports`` (default
@@ -127,7 +135,10 @@ class Session(GraphRunner):
                  keep_min_bytes: int = 1024, blocking: bool | None = None, queue: QueueLimits | None = None,
                  allow_ops: str | Sequence[str] | None = None,
                  worker_imports: str | Sequence[str] | None = None, progress: bool | None = None,
-                 fetch_on_close: bool = True, eager_remote: bool = True) -> None:
+                 fetch_on_close: bool = True, eager_remote: bool = True,
+                 weights: str | Mapping[str, str] | None = None,
+                 checkpoints: str | Mapping[str, str] | None = None) -> None:
+        _join_parts()  # the root's wiring (remotorch.client.wiring): a session may be the first part used
         env = from_env()
         urls = split_urls(url)
         if urls == [None]:
@@ -146,11 +157,13 @@ class Session(GraphRunner):
         self._spin_s = None if spin_us is None else spin_us / 1e6  # None: auto
         self._embedded: EmbeddedWorker | None = None
         self._embedded_transport = env.embedded_transport
-        if (allow_ops or worker_imports) and None not in urls:
-            raise ValueError("allow_ops and worker_imports configure the embedded worker; a worker at a URL "
-                             "allows what its `remotorch serve --allow-ops` says")
+        if (allow_ops or worker_imports or weights or checkpoints) and None not in urls:
+            raise ValueError("allow_ops, worker_imports, weights and checkpoints configure the embedded worker; a "
+                             "worker at a URL allows and reads what its `remotorch serve` flags say")
         self._embedded_ops = (_names(allow_ops if allow_ops is not None else env.allow_ops),
-                              _names(worker_imports if worker_imports is not None else env.worker_imports))
+                              _names(worker_imports if worker_imports is not None else env.worker_imports),
+                              _roots("--weights", weights if weights is not None else env.weights) +
+                              _roots("--checkpoints", checkpoints if checkpoints is not None else env.checkpoints))
         self._lock = threading.Lock()
         self._closed = False
         self._fallbacks = 0
@@ -229,7 +242,8 @@ class Session(GraphRunner):
                 spin_us = None if self._spin_s is None else self._spin_s * 1e6
                 self._embedded = EmbeddedWorker(self.device, spin_us=spin_us,
                                                 transport=self._embedded_transport,
-                                                allow_ops=self._embedded_ops[0], imports=self._embedded_ops[1])
+                                                allow_ops=self._embedded_ops[0], imports=self._embedded_ops[1],
+                                                roots=self._embedded_ops[2])
             return self._embedded.url, self._embedded.token
 
     @property
@@ -356,13 +370,16 @@ class Session(GraphRunner):
 
         After training with a :class:`~remotorch.optim.RemoteOptimizer` the
         worker holds the parameters of record; this brings them back, e.g.
-        before ``module.state_dict()``. Tensors the worker does not train
+        before ``module.state_dict()``. Weights a worker loaded itself
+        (:func:`remotorch.from_pretrained`) come here too, as ordinary tensors. Tensors the worker does not train
         (buffers, frozen parameters) are the local ones already and stay as
         they are, and so do the gradients of parameters no worker-side
         optimizer manages (they are in ``p.grad``). Returns how many tensors
         were copied.
         """
-        return sum(t.pull(module, grads) for t in list(self._trainers.values()))
+        pulled = sum(t.pull(module, grads) for t in list(self._trainers.values()))
+        # values the workers keep for it (weights they loaded): brought here, in one request per worker
+        return pulled + values.fetch_placeholders([*module.parameters(), *module.buffers()])
 
     def refresh(self, module: torch.nn.Module) -> int:
         """Bring back into ``module`` the parameters an optimizer stepped on a worker (only those).
@@ -387,6 +404,12 @@ def _names(value: str | Sequence[str] | None) -> tuple[str, ...]:
     """``"a,b"`` or ``["a", "b"]`` as a tuple of names."""
     parts = value.split(",") if isinstance(value, str) else list(value or ())
     return tuple(p.strip() for p in parts if p.strip())
+
+
+def _roots(flag: str, value: str | Mapping[str, str] | None) -> list[tuple[str, str]]:
+    """``{"models": "/data"}`` or ``"models=/data,hub=/cache"`` as ``[(flag, "NAME=DIR")]``."""
+    pairs = value.items() if isinstance(value, Mapping) else (p.split("=", 1) for p in _names(value) if "=" in p)
+    return [(flag, f"{name}={folder}") for name, folder in pairs]
 
 
 _default: Session | None = None

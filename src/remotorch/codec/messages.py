@@ -4,7 +4,7 @@ A message is frame 0 (an msgpack :class:`Envelope`, with the protocol version) a
 frames (tensor bytes, never copied into the header); ``docs/protocol.md`` is the normative text.
 The core requests and replies are declared here; the others live in sibling modules by part of
 the protocol (:mod:`.args`: tensor layouts and call arguments; :mod:`.training`; :mod:`.values`;
-:mod:`.groups`; :mod:`.cache`; :mod:`.stats`), and this module is the face of them all: it takes them into
+:mod:`.groups`; :mod:`.cache`; :mod:`.stats`; :mod:`.weights`), and this module is the face of them all: it takes them into
 ``Request`` and ``Reply`` and re-exports every one (import them from here: ``m.OptimStep``).
 """
 
@@ -24,6 +24,8 @@ from .training import (AccumulateGrads, BindSlots, ClipGradNorm, Hyper, NormRepl
                        OptimGetState, OptimSetState, OptimStateReply, OptimStep, OptimZeroGrad, PullReply,
                        PullSlots)
 from .values import Deliver, ExpectHandles, Fetch, FetchReply, SendHandles, TicketReply
+from .weights import (MAX_SHARD_BYTES, LoadOptimizer, LoadWeights, OpenWeights, OptimLoaded, SaveOptimizer,  # noqa: F401
+                      SaveReply, SaveWeights, TensorSpec, WeightsIndex)
 
 PROTOCOL_VERSION = 8
 MAX_BINDINGS = 4096  # argument bindings a session may hold on a worker (Run.bind, §8.1)
@@ -196,6 +198,8 @@ class HealthReply(msgspec.Struct, frozen=True, tag="health_reply", omit_defaults
     allowed_ops: list[str] = []  # namespaces of custom operators graphs may call (``serve --allow-ops``)
     disk_cache: dict[str, Union[int, str]] = {}  # ``serve --cache-dir``: folder, bytes, counters (§20)
     framing: str = ""  # "compiled" (_cframing) or "python": what this worker frames plain (not TLS) sockets with
+    weight_roots: dict[str, str] = {}  # ``serve --weights/--checkpoints``: root name -> "read" or "write" (§22)
+    weights_read: int = 0  # tensor bytes read from weight files since the worker started (§22)
 
 
 class Ok(msgspec.Struct, frozen=True, tag="ok", omit_defaults=True):
@@ -292,10 +296,11 @@ Request = Union[Health, PutGraph, PutTensors, Run, Echo, Flush,  # core (§8.1)
                 OpenStore, JoinGroup, LeaveGroup, BroadcastSlots, ReduceGrads,  # process groups (§19)
                 Challenge, Have,  # the disk cache (§20)
                 Stats,  # the operator's view (§21)
-                Runs]  # eager calls queued together (§18.4)
+                Runs,  # eager calls queued together (§18.4)
+                OpenWeights, LoadWeights, SaveWeights, SaveOptimizer, LoadOptimizer]  # weights on the worker (§22)
 Reply = Union[HealthReply, Ok, RunReply, EchoReply, ErrorReply, AttachReply, ProfileReply,
               PullReply, NormReply, OptimStateReply, FetchReply, TicketReply, StoreReply,
-              ChallengeReply, HaveReply, StatsReply, RunsReply]
+              ChallengeReply, HaveReply, StatsReply, RunsReply, WeightsIndex, SaveReply, OptimLoaded]
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
