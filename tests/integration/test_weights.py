@@ -210,6 +210,33 @@ def test_clip_grad_norm_and_an_ema_of_worker_weights(roots, wsession):
     same_state(local(roots, "clipped", "ck"), want_model)
 
 
+def test_eager_calls_on_loaded_weights_run_on_the_worker(roots, wsession):
+    """Code between the compiled parts works on the weights where they live: a norm to log, an EMA
+    of the parameters, an initialisation written into one; only what Python reads comes back."""
+    want = local(roots, "gpt2")
+    model = remotorch.from_pretrained(transformers.GPT2LMHeadModel, "models/gpt2", session=wsession)
+    before = wsession.stats()
+    with torch.no_grad():
+        ema = {k: p.detach().clone() for k, p in model.named_parameters()}  # on the worker, as the weights
+        want_ema = {k: p.detach().clone() for k, p in want.named_parameters()}
+        for (k, p), (_, q) in zip(model.named_parameters(), want.named_parameters()):
+            ema[k].mul_(0.9).add_(p * p, alpha=0.1)
+            want_ema[k].mul_(0.9).add_(q * q, alpha=0.1)
+        norm = torch.stack([e.float().norm() for e in ema.values()]).sum()
+        want_norm = torch.stack([e.float().norm() for e in want_ema.values()]).sum()
+        model.lm_head.weight[:3].zero_()  # (tied: the embedding's rows too, as in torch)
+        want.lm_head.weight[:3].zero_()
+    assert norm.item() == want_norm.item()
+    after = wsession.stats()
+    assert after["eager_ops"] - before["eager_ops"] > 3 * len(ema)
+    assert after["values_fetched"] == before["values_fetched"]  # the weights never came here
+    assert after["bytes_received"] - before["bytes_received"] < 64 << 10, after["bytes_received"]
+    assert [k for k, e in ema.items() if remote_ref(e) is None and e.nbytes >= wsession.keep_min_bytes] == []
+    for k, e in ema.items():
+        assert torch.equal(e, want_ema[k]), k
+    same_state(model, want)
+
+
 def test_state_dict_and_pull_bring_values_home_only_when_asked(roots, wsession):
     model = remotorch.from_pretrained(transformers.GPT2LMHeadModel, "models/gpt2", session=wsession)
     sd = model.state_dict()
