@@ -25,7 +25,11 @@ and run unchanged on a local model and on a ``remotorch.compile``\\ d one
    GPT-2 on two workers, each behind its own proxy, the loss read every step.
    Workers send pipeline activations to each other at the URL the client
    reaches them by, here the proxy: worker-to-worker sends pay the delay too.
-   The gloo group that averages gradients is direct (``--group-host``).
+   The gloo group that averages gradients is direct (``--group-host``);
+8. eager code on values the worker keeps (``remotorch.client.eager``): 8a, ten
+   training steps of case 2 whose losses are logged once with
+   ``torch.stack(losses).mean().item()``; 8b, 200 eager elementwise calls on
+   a kept 1 MiB value, then ``.sum().item()``. Reported per unit.
 
 A control row for cases 5 and 6 (``control_units`` in ``_wan/cases.py``)
 runs the local code sleeping one RTT before each forward a remote run would
@@ -55,7 +59,8 @@ checked against the local one (the trainings go in lockstep).
 
 Targets at RTT 20 ms (medians; the median of ``--runs``): (remote - local) /
 RTT per step <= 1.2 for case 1, <= 0.2 for case 2, <= 2.2 for case 4, <= 1.05
-per token for case 5, <= 1.1 for case 6; remotorch's case 1 no slower than
+per token for case 5, <= 1.1 for case 6, and <= 1.1 per unit for cases 8a and 8b at
+every RTT measured; remotorch's case 1 no slower than
 the torch RPC ``rpc_sync`` step and the Ray step, its case 2 faster than
 ``rpc_async`` 10 steps at a time and Ray's 10 calls per ``ray.get``; a case-1
 step sends at most its inputs (the batch, passed twice) + 1 KiB. Exit status

@@ -6,8 +6,11 @@ Importable from every test folder as ``from helpers import ...``: pytest puts
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import pytest
 import torch
@@ -145,3 +148,54 @@ def assert_data_parallel_trains_as_one_process(session, model: torch.nn.Module, 
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4)
     return dp, pulled
+
+
+class Lines:
+    """A child process's output stream, read line by line on a thread (nothing blocks on a full pipe),
+    so that a test acts on a sign the child gives (a line it prints), never after a fixed sleep."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._lines: list[str] = []
+        self._changed = threading.Condition()
+        self._done = False
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            with self._changed:
+                self._lines.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self._done = True
+            self._changed.notify_all()
+
+    def wait_for(self, sign: Callable[[str], bool], timeout: float = 120.0) -> str:
+        """The first line for which ``sign(line)`` holds, once it is there (``AssertionError`` with all
+        that was read, if the stream ends or ``timeout`` passes first)."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._changed:
+            while True:
+                for line in self._lines[seen:]:
+                    if sign(line):
+                        return line
+                seen = len(self._lines)
+                left = deadline - time.monotonic()
+                if self._done or left <= 0:
+                    raise AssertionError("the sign never came; the stream said:\n" + "".join(self._lines)[-4000:])
+                self._changed.wait(left)
+
+    def text(self, timeout: float = 60.0) -> str:
+        """Everything the stream said, once it ended (the child exited)."""
+        self._thread.join(timeout)
+        with self._changed:
+            return "".join(self._lines)
+
+
+def default_ctrl_c() -> None:
+    """A child's ``preexec_fn``: Ctrl-C as at a terminal. A run started in the background (``cmd &`` in a
+    script) ignores SIGINT, and so would every process it starts, Python's handler included."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -1,5 +1,9 @@
 """The remotorch cases of ``benchmarks/wan.py``: the user code of ``workload.py``, unchanged, on a worker.
 
+Case 8 is eager code on values the worker keeps (``remotorch.client.eager``):
+8a logs ten steps' losses with ``torch.stack(losses).mean().item()`` (training
+session), 8b runs 200 eager calls on a kept 1 MiB value (inference session).
+
 Each case has its own model pair (remote and local, the same seed; cases 1
 and 2 share one), so the two trainings go in lockstep and every unit's result
 is checked against the local one. Cases 1-6 run on one worker behind its
@@ -32,6 +36,8 @@ CASES = {
     "infer": "6. warm inference call, output read",
     "dp": "7a. DataParallel, 2 workers",
     "pipeline": "7b. Pipeline (1F1B), 2 workers",
+    "eager_log": "8a. eager: 10 training steps, losses logged once",
+    "eager_chain": "8b. eager: 200 calls on a kept 1 MiB value, a read",
 }
 REMOTORCH = "remotorch"
 CONTROL = "control: local, idle one RTT a read"
@@ -78,6 +84,14 @@ def training_cases(session, proxy, names, system: str = REMOTORCH) -> list[Unit]
         units.append(_unit("train10", session, [proxy], lambda i: w.train_steps_read_once(f, opt, ten(i)),
                            lambda i: w.train_steps_read_once(ref, ref_opt, ten(i)), loss_diff, per=10, scale=0.5,
                            system=system))
+    if "eager_log" in names:  # its own model pair: ten steps a unit, the losses logged by eager calls
+        f8, opt8, ref8, ref_opt8 = _train_pair(session)
+
+        def ten8(i):
+            return [bs[(10 * i + j) % len(bs)] for j in range(10)]
+        units.append(_unit("eager_log", session, [proxy], lambda i: w.train_steps_logged(f8, opt8, ten8(i)),
+                           lambda i: w.train_steps_logged(ref8, ref_opt8, ten8(i)), loss_diff, scale=0.5,
+                           system=system))
     if "train_local_opt" in names:
         f3, opt3, ref3, ref_opt3 = _train_pair(session, local_opt=True)
         units.append(_unit("train_local_opt", session, [proxy], lambda i: w.train_step(f3, opt3, bs[i % len(bs)]),
@@ -99,6 +113,12 @@ def inference_cases(session, proxy, names, tokens: int = 16) -> list[Unit]:
         net, ref_net, x = w.mlp(), w.mlp(), w.mlp_input()
         fi = _compile(net, session)
         units.append(_unit("infer", session, [proxy], lambda i: w.infer(fi, x), lambda i: w.infer(ref_net, x), same))
+    if "eager_chain" in names:
+        x = w.chain_input()
+        with torch.no_grad():
+            y = _compile(lambda a: a.clone(), session)(x)  # kept on the worker: the chain's calls run there
+        units.append(_unit("eager_chain", session, [proxy], lambda i: w.chain(y), lambda i: w.chain(x), same,
+                           scale=0.5))
     return units
 
 

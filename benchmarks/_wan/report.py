@@ -10,6 +10,8 @@ TARGET_RTT = 20.0
 # (case, limit on (remote - local) / RTT per step, at TARGET_RTT ms)
 RATIO_TARGETS = (("train", 1.2), ("train10", 0.2), ("branch", 2.2), ("generate", 1.05), ("infer", 1.1))
 WIRE_SLACK = 1024  # bytes a training step may send beyond its inputs
+# eager calls on kept values (case 8): round trips beyond local per unit, at every RTT measured
+EAGER_TARGETS = (("eager_log", 1.1), ("eager_chain", 1.1))
 
 
 def print_table(rows: list[dict], say) -> None:
@@ -77,6 +79,11 @@ def judge(runs: list[list[dict]], step_inputs: int) -> list[dict]:
                 if mine and theirs:
                     diffs.append(mine["over_rtt"] - theirs["over_rtt"])
             add(f"{CASES[case]}: remotorch - {peer}, x RTT per step", diffs, 0.0, strict=strict)
+    rtts = sorted({r["rtt_ms"] for run in runs for r in run})
+    for case, limit in EAGER_TARGETS:
+        for rtt in rtts:
+            rows = [_row(run, case, REMOTORCH, rtt) for run in runs]
+            add(f"{CASES[case]} at {rtt:g} ms: (remote - local) / RTT", [r and r["over_rtt"] for r in rows], limit)
     add(f"{CASES['train']}: bytes sent per step (inputs {step_inputs} B + {WIRE_SLACK})",
         [_get(run, "train", REMOTORCH, "bytes_sent_per_step") for run in runs], step_inputs + WIRE_SLACK, unit="B")
     return targets

@@ -90,6 +90,33 @@ def train_steps_read_once(model, opt, bs: list[torch.Tensor]) -> float:
     return loss.item()
 
 
+def train_steps_logged(model, opt, bs: list[torch.Tensor]) -> float:
+    """Case 8a: steps whose losses are logged once, after the last, as a mean (eager calls on them)."""
+    losses = []
+    for b in bs:
+        loss = model(b, labels=b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean().item()
+
+
+CHAIN = (256, 1024)  # case 8b's value: 1 MiB of float32
+
+
+def chain_input() -> torch.Tensor:
+    return torch.randn(*CHAIN, generator=torch.Generator().manual_seed(10))
+
+
+def chain(y: torch.Tensor) -> float:
+    """Case 8b: 200 eager elementwise calls on a value (remotely, one the worker keeps), then a scalar read."""
+    for _ in range(100):
+        y = y * 1.0001
+        y = y + 0.5
+    return y.sum().item()
+
+
 def branchy(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Case 4: one data-dependent ``if`` (a read, and a graph break)."""
     h = torch.tanh(x @ w)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,18 +24,22 @@ class EnvConfig:
     cache_dir: str | None = None  # the worker's disk cache folder (None: the embedded worker's default)
     cache_off: bool = False  # REMOTORCH_CACHE_DIR=off: no disk cache, the embedded worker's included
     launch_blocking: bool = False  # REMOTORCH_LAUNCH_BLOCKING=1: every request waits for its reply
+    weights: str | None = None  # the embedded worker's weight roots ("NAME=DIR,NAME=DIR")
+    checkpoints: str | None = None  # the embedded worker's checkpoint roots ("NAME=DIR")
 
 
 def from_env() -> EnvConfig:
     """``REMOTORCH_URL``, ``REMOTORCH_TOKEN``, ``REMOTORCH_TLS_CA``, ``REMOTORCH_SPIN_US``,
     ``REMOTORCH_EMBEDDED_TRANSPORT``, ``REMOTORCH_PROGRESS`` (``0``, ``false``, ``no`` or ``off``:
     no progress bars), ``REMOTORCH_CACHE_DIR`` (a folder, or ``off``), ``REMOTORCH_ALLOW_OPS`` and
-    ``REMOTORCH_WORKER_IMPORTS``, ``REMOTORCH_LAUNCH_BLOCKING`` (``1``, ``true``, ``yes`` or ``on``:
+    ``REMOTORCH_WORKER_IMPORTS``, ``REMOTORCH_WEIGHTS`` and ``REMOTORCH_CHECKPOINTS``
+    (``NAME=DIR,NAME=DIR``), ``REMOTORCH_LAUNCH_BLOCKING`` (``1``, ``true``, ``yes`` or ``on``:
     every request waits for its reply, for debugging, as ``CUDA_LAUNCH_BLOCKING`` does), empty
     values counting as unset.
 
-    The last two are for the embedded worker only (its ``--allow-ops`` and
-    ``--import``); ``remotorch serve`` takes them only as flags, so a worker
+    ``ALLOW_OPS``, ``WORKER_IMPORTS``, ``WEIGHTS`` and ``CHECKPOINTS`` are for the
+    embedded worker only (its ``--allow-ops``, ``--import``, ``--weights`` and
+    ``--checkpoints``); ``remotorch serve`` takes them only as flags, so a worker
     never trusts more than its command line says.
 
     A ``REMOTORCH_SPIN_US`` that is not a number >= 0 is a ``ValueError``
@@ -54,7 +59,9 @@ def from_env() -> EnvConfig:
                      progress=(os.environ.get("REMOTORCH_PROGRESS") or "1").strip().lower()
                      not in ("0", "false", "no", "off"),
                      launch_blocking=(os.environ.get("REMOTORCH_LAUNCH_BLOCKING") or "").strip().lower()
-                     in ("1", "true", "yes", "on"))
+                     in ("1", "true", "yes", "on"),
+                     weights=os.environ.get("REMOTORCH_WEIGHTS") or None,
+                     checkpoints=os.environ.get("REMOTORCH_CHECKPOINTS") or None)
 
 
 def parse_spin_us(value: str | float | None, what: str) -> float | None:
@@ -82,6 +89,9 @@ def default_cache_dir() -> Path:
         return home / "Library" / "Caches" / "remotorch"
     return Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache") / "remotorch"
 
+
+# A tenant's name in a worker's --tokens file (``[tenants.NAME]``) and in ``remotorch token new NAME``.
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 

@@ -13,7 +13,9 @@ Every failure that involves the worker surfaces as a subclass of
     │   └── RemoteOutOfMemoryError     the worker ran out of device or host memory for this call
     ├── UnsupportedGraphError          the graph uses something the wire format or worker refuses
     ├── InvalidRequestError            a well-formed request that does not fit (wrong arguments for a graph)
-    │   └── ForeignParameterError      a parameter whose worker-side copy belongs to another session
+    │   ├── ForeignParameterError      a parameter whose worker-side copy belongs to another session
+    │   ├── PathRefusedError           a weights or checkpoint name the worker will not open (escape, root, file kind)
+    │   └── CheckpointError            weight files that do not fit: missing, malformed, keys or shapes that differ
     ├── LimitExceededError             a request is over a size limit of the worker
     │   ├── QuotaExceededError         a session is over its memory quota (or the worker over its memory limit)
     │   └── RequestTimeoutError        a request ran longer than the worker's request timeout
@@ -117,6 +119,30 @@ class ForeignParameterError(InvalidRequestError):
     kind = "foreign"
 
 
+class PathRefusedError(InvalidRequestError):
+    """A name of weights or a checkpoint the worker refuses before opening anything.
+
+    The worker reads only under the roots its operator named (``remotorch
+    serve --weights NAME=DIR``, ``--checkpoints NAME=DIR``): an unknown root,
+    no roots at all, an absolute name, ``..``, a NUL, a backslash, a percent
+    escape, a path that resolves outside its root (a symlink out), a file that
+    is not ``.safetensors`` or ``.json``, or a write into a read-only root.
+    """
+
+    kind = "refused"
+
+
+class CheckpointError(InvalidRequestError):
+    """Weight files that do not fit what was asked of them.
+
+    Missing files (an incomplete hub-cache snapshot names those it lacks), a
+    malformed safetensors header, or keys and shapes that differ from the
+    model's (named, checked before any tensor data is read).
+    """
+
+    kind = "checkpoint"
+
+
 class LimitExceededError(RemoteError):
     """A request exceeds one of the worker's size limits."""
 
@@ -192,7 +218,7 @@ _BY_KIND: dict[str, type[RemoteError]] = {
     for cls in (RemoteError, TransportError, WorkerUnavailableError, ProtocolError,
                 AuthenticationError, WorkerError, RemoteOutOfMemoryError,
                 UnsupportedGraphError, InvalidRequestError, LimitExceededError, QuotaExceededError,
-                RequestTimeoutError, ForeignParameterError, GroupError)
+                RequestTimeoutError, ForeignParameterError, GroupError, PathRefusedError, CheckpointError)
 }
 
 

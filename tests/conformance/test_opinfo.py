@@ -25,6 +25,7 @@ EVERY = 36
 MIN_COUNTED = {("float32", "forward"): 34, ("float32", "backward"): 29, ("bfloat16", "forward"): 16,
                ("bfloat16", "backward"): 15, ("int64", "forward"): 13, ("bool", "forward"): 11,
                ("complex64", "forward"): 24, ("complex64", "backward"): 20}
+EAGER_MIN_COUNTED = 11  # float32 forward samples of the subset counted in eager mode (14 today)
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,27 @@ def results(server):
         out = opinfo.sweep(others, session, limit=1) + opinfo.sweep(fixed, session, limit=2)
     assert server.alive(), server.stderr_text()[-4000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def eager_results(server):
+    """The same subset as eager calls on values kept on the worker (``opinfo_eager``), float32 and int64."""
+    from remotorch.devtools import opinfo_eager
+
+    infos = opinfo.subset(opinfo.op_db(), EVERY)
+    with remotorch.Session(server.url, token=TOKEN, keep_min_bytes=0) as session:
+        out = opinfo.sweep(infos, session, dtypes=("float32", "int64"), limit=1, checker=opinfo_eager.check)
+    assert server.alive(), server.stderr_text()[-4000:]
+    return out
+
+
+def test_every_counted_eager_call_equals_eager_torch(eager_results):
+    bad = [f"{r.case}: {r.detail}" for r in eager_results if r.status == opinfo.DIFFERS]
+    assert not bad, f"{len(bad)} sample(s) differ from eager torch:\n" + "\n".join(bad)
+    counted = opinfo.tally(eager_results)
+    # about four fifths of what the subset counts today: a change that made calls stop going to the
+    # worker (read and run here instead) would otherwise pass by comparing less
+    assert counted[("float32", "forward")]["counted"] >= EAGER_MIN_COUNTED, counted
 
 
 def test_every_counted_sample_equals_aot_eager(results):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -40,6 +41,10 @@ t = torch.randn(1 << 19)
 meta, buf = tensor_to_wire(t, 0)
 s.connection.request(m.PutTensors([content_id(meta, buf)], [meta]), [buf])
 print("ready", flush=True)
+sent = s.stats()["messages_sent"]
+while s.stats()["messages_sent"] < sent + 7:  # heartbeats every lease / 3: two leases and more
+    time.sleep(0.05)
+print("idle for two leases", flush=True)
 time.sleep(600)
 """
 CLIENT_BYTES = (1 << 19) * 4
@@ -89,6 +94,19 @@ def start_client(url: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=clean_env())
     assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
     return proc
+
+
+def said(proc: subprocess.Popen, line: str, timeout: float = 60.0) -> bool:
+    """Whether the child prints ``line`` next, within ``timeout`` seconds."""
+    if not select.select([proc.stdout], [], [], timeout)[0]:
+        return False
+    return proc.stdout.readline().strip() == line
+
+
+def heartbeats(session, count: int, timeout: float = LEASE * 20) -> bool:
+    """Wait until ``session`` has sent ``count`` more messages (idle: heartbeats, every LEASE / 3)."""
+    sent = session.stats()["messages_sent"]
+    return wait_until(lambda: session.stats()["messages_sent"] >= sent + count, timeout=timeout)
 
 
 # ----------------------------------------------------------------- worker faults
@@ -169,11 +187,12 @@ def test_killed_client_is_freed_after_the_lease(leased, observer):
     client = start_client(leased.url)
     try:
         assert observer.health()["resident_bytes"] == CLIENT_BYTES
+        assert observer.health()["connections"] == 2
         client.kill()
         client.wait()
         killed = time.monotonic()
-        time.sleep(LEASE / 2)
-        assert observer.health()["resident_bytes"] == CLIENT_BYTES  # the lease holds it a while
+        assert wait_until(lambda: observer.health()["connections"] == 1, timeout=60)  # its connection closed
+        assert observer.health()["resident_bytes"] == CLIENT_BYTES  # and the lease holds it a while
         assert wait_until(lambda: observer.health()["resident_bytes"] == 0, timeout=LEASE * 10)
         assert time.monotonic() - killed >= LEASE * 0.9
     finally:
@@ -183,7 +202,7 @@ def test_killed_client_is_freed_after_the_lease(leased, observer):
 def test_frozen_client_without_heartbeats_is_expired(leased, observer):
     client = start_client(leased.url)
     try:
-        time.sleep(LEASE * 2)  # alive and idle: its heartbeats keep the lease
+        assert said(client, "idle for two leases")  # alive and idle: its heartbeats keep the lease
         assert observer.health()["resident_bytes"] == CLIENT_BYTES
         client.send_signal(signal.SIGSTOP)  # the connection stays open, the heartbeats stop
         assert wait_until(lambda: observer.health()["resident_bytes"] == 0, timeout=LEASE * 10)
@@ -201,7 +220,7 @@ def test_reconnect_within_the_lease_keeps_the_uploads(leased, observer):
         probe()  # a new connection, the same session
         assert session.stats()["tensors_uploaded"] == uploaded
         assert session.stats()["graphs_uploaded"] == 1
-        time.sleep(LEASE * 2)  # idle for two leases: heartbeats keep it
+        assert heartbeats(session, 7)  # idle for two leases: heartbeats keep it
         probe()
         assert session.stats()["tensors_uploaded"] == uploaded
     finally:
@@ -289,3 +308,38 @@ def test_training_state_survives_a_dropped_connection(leased):
             torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
     finally:
         session.close()
+
+
+def test_requests_in_flight_to_a_worker_that_lost_the_session_each_fail_named(leased, observer):
+    """The link drops with three calls in flight (their replies held in a relay) after the worker let
+    the session's lease run out: the reconnect finds the session gone, and every call in flight
+    fails with WorkerUnavailableError naming what was lost, raised at the next read, once."""
+    from remotorch.devtools.netem import DelayProxy
+
+    with DelayProxy(leased.url) as relay:
+        session = remotorch.Session(relay.url, token=TOKEN, retry_after=0)
+        try:
+            compiled = remotorch.compile(work, session=session, fallback="raise")
+            x = torch.randn(8, 8)
+            with torch.no_grad():
+                compiled(x).sum().item()  # compiled, uploaded; the next calls are sent without waiting
+                session.connection.stop_heartbeats()
+                relay.set_delay(0, down_ms=3600e3)  # the worker's replies stay in the relay
+                ys = [compiled(x) for _ in range(3)]
+                # the worker ran them (their outputs are held there, their replies in the relay), then the
+                # lease ran out and it freed them
+                assert wait_until(lambda: observer.health()["resident_bytes"] > 0, timeout=60)
+                assert wait_until(lambda: observer.health()["resident_bytes"] == 0, timeout=LEASE * 20)
+                relay.set_delay(0)  # before the cut: the reconnect's handshake must not wait in the relay
+                assert relay.cut() > 0  # the three replies (held with the delay they came with), lost with the link
+                with pytest.raises(errors.WorkerUnavailableError,
+                                   match=r"no longer holds this session .*; lost with it: "
+                                         r"graph [0-9a-f]{12} \(\S*test_faults\.py:\d+\) x3$"):
+                    ys[0].sum().item()
+                for y in ys[1:]:  # one failure: each read of what it lost says so
+                    with pytest.raises(errors.WorkerUnavailableError, match="no longer holds this session"):
+                        y.sum().item()
+                session.synchronize()  # raised once: nothing more to raise
+                assert torch.allclose(compiled(x), work(x), atol=1e-6)  # and the session goes on, anew
+        finally:
+            session.close()

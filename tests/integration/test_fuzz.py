@@ -38,13 +38,33 @@ LIVE_MESSAGES = 10_000
 LIVE_FRAMING = 1_000
 KINDS = {cls.kind for cls in (errors.ProtocolError, errors.InvalidRequestError, errors.UnsupportedGraphError,
                               errors.MissingObjectsError, errors.LimitExceededError, errors.QuotaExceededError,
-                              errors.WorkerError, errors.RemoteOutOfMemoryError)}
+                              errors.WorkerError, errors.RemoteOutOfMemoryError, errors.PathRefusedError,
+                              errors.CheckpointError)}
 
 
 # ------------------------------------------------------------------ live worker
 @pytest.fixture(scope="module")
-def target(start_module_server):
-    return start_module_server(name="fuzzed")
+def roots(tmp_path_factory):
+    """Weight roots for the fuzzed worker: hostile loads and saves reach its name, file and header checks."""
+    from safetensors.torch import save_file
+
+    base = tmp_path_factory.mktemp("fuzz-roots")
+    weights, checkpoints, outside = base / "w", base / "ck", base / "outside"
+    for folder in (weights, checkpoints, outside):
+        folder.mkdir()
+    save_file({"w": torch.ones(2)}, str(weights / "tiny.safetensors"))
+    (weights / "tiny").mkdir()
+    save_file({"w": torch.ones(2)}, str(weights / "tiny" / "model.safetensors"))
+    save_file({"w": torch.ones(2)}, str(outside / "secret.safetensors"))
+    (weights / "escape").symlink_to(outside)
+    return weights, checkpoints, outside
+
+
+@pytest.fixture(scope="module")
+def target(start_module_server, roots):
+    weights, checkpoints, _ = roots
+    return start_module_server(name="fuzzed", extra_args=("--weights", f"w={weights}",
+                                                          "--checkpoints", f"ck={checkpoints}"))
 
 
 class Conn:
@@ -84,7 +104,7 @@ def assert_still_correct(srv) -> None:
     assert "unexpected error" not in srv.stderr_text()
 
 
-def test_live_worker_answers_every_malformed_request(target):
+def test_live_worker_answers_every_malformed_request(target, roots):
     tally: Counter = Counter()
     conn = Conn(target)
     try:
@@ -99,7 +119,18 @@ def test_live_worker_answers_every_malformed_request(target):
     errors_seen = sum(tally[k] for k in KINDS)
     assert errors_seen > LIVE_MESSAGES * 0.8, tally
     assert len([k for k in KINDS if tally[k]]) >= 4, tally  # the requests reach several checks
+    assert tally["refused"] and tally["checkpoint"], tally  # hostile loads and saves reach the weight checks
     assert_still_correct(target)
+    assert_nothing_escaped(roots)
+
+
+def assert_nothing_escaped(roots) -> None:
+    """Saves wrote only under the checkpoints root; nothing outside it changed."""
+    weights, checkpoints, outside = roots
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.safetensors"]
+    assert sorted(p.name for p in weights.iterdir()) == ["escape", "tiny", "tiny.safetensors"]
+    written = [p for p in checkpoints.rglob("*") if p.is_file()]
+    assert all(p.suffix in (".safetensors", ".json") and not p.name.endswith(".tmp") for p in written), written
 
 
 def test_live_worker_survives_broken_framing(target):

@@ -1,16 +1,17 @@
-"""Replies nobody waits for leave the worker together; a reply that is read is never held back.
+"""Replies nobody waits for leave the worker together.
 
 The worker here runs its graphs on the ``hold:0.4`` engine (each run answers
 0.4 s late), so that requests queued behind a run are all at the worker when
 it ends, on any machine; the runs queued behind it on ``hold:0.002``, so that
 their replies, were they not held, would leave far apart. The relay between counts the reads it took each
-direction's bytes in; the tests count those and the replies, and bound one
-wait by whole hold times (0.4 s units), never by the machine's speed.
+direction's bytes in; the tests count those and the replies, and judge
+nothing by the machine's speed. That a reply a read waits for is never held is
+the service's decision (``Service.last_quiet``, tests/unit/test_quiet_replies.py):
+a held one leaves at the kernel's 200 ms cork ceiling at the latest, which no
+test here could tell from a slow machine.
 """
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
@@ -54,20 +55,3 @@ def test_replies_to_queued_requests_come_back_in_one_write(holding, session_for)
     (exchange,) = holding.exchanges()
     # nine replies, not sent SHORT_S apart: one write (two if a loaded machine made them take HOLD_MAX_S)
     assert exchange.reads_down <= 2, exchange
-
-
-@torch.no_grad()
-def test_a_reply_that_is_read_is_not_held_behind_the_requests_after_it(holding, session_for):
-    s = session_for(holding.url)
-    slow = _compiled(s, f"hold:{HOLD_S:g}", 0)
-    for _ in range(2):  # its output is read, late: from now on its value comes back in the run's reply
-        y = slow(X)
-        slow(X)
-        y.sum().item()
-    s.synchronize()  # (the worker is still running the loop's last call)
-    started = time.perf_counter()
-    y = slow(X)
-    slow(X)  # HOLD_S more on the worker, sent before the read
-    y.sum().item()
-    waited = time.perf_counter() - started
-    assert HOLD_S <= waited < 2 * HOLD_S, waited  # the reply came when its run ended, not after the next one

@@ -7,6 +7,9 @@ and a client session asks the receiver for tickets and fetches what arrived.
 
 from __future__ import annotations
 
+import select
+import socket
+
 import pytest
 import torch
 
@@ -15,7 +18,7 @@ from remotorch import errors
 from remotorch.codec import messages as m
 from remotorch.worker.peers import PeerLinks, deliver_proof
 
-from conftest import TOKEN
+from conftest import TOKEN, wait_until
 
 
 def meta(t: torch.Tensor) -> m.TensorMeta:
@@ -24,6 +27,17 @@ def meta(t: torch.Tensor) -> m.TensorMeta:
 
 def ticket_for(conn, handle: int, t: torch.Tensor) -> m.TicketReply:
     return conn.request(m.ExpectHandles([handle], [meta(t)]))[0]
+
+
+def closed_by_peer(link) -> bool:
+    """Whether the other end closed ``link``'s connection (its end of the stream is here), without reading."""
+    sock = link._channel.sock
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except ConnectionResetError:
+        return True
 
 
 def fetched(conn, handle: int) -> torch.Tensor:
@@ -92,9 +106,9 @@ def test_a_link_the_peer_closed_while_idle_is_replaced_under_the_same_ticket(rec
     try:
         t = ticket_for(conn, 900, a)
         links.send(srv.url, t.ticket_id, t.secret, [a], timeout=10.0)
-        import time
-
-        time.sleep(4.0)  # past the receiver's message timeout: it closed its end
+        (_, idle), = links._idle[srv.url]
+        assert not closed_by_peer(idle)
+        assert wait_until(lambda: closed_by_peer(idle), timeout=60)  # past its message timeout
         t = ticket_for(conn, 901, b)
         links.send(srv.url, t.ticket_id, t.secret, [b], timeout=10.0)
         assert links.opened == 2

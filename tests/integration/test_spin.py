@@ -29,6 +29,19 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _asleep(pid: int, timeout: float = 60.0) -> bool:
+    """Wait until process ``pid`` no longer spins: a tenth of a second in which it used at most 2 clock
+    ticks of CPU (a spinning one uses all ten). False if it still spins after ``timeout`` seconds."""
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = _cpu_seconds(pid)
+        time.sleep(0.1)
+        if _cpu_seconds(pid) - before <= 2 * tick + 1e-9:
+            return True
+    return False
+
+
 @pytest.fixture(scope="module")
 def spinning_server(start_module_server):
     return start_module_server(extra_args=("--spin-us", "3000"))
@@ -102,15 +115,15 @@ def test_a_worker_spins_for_its_window_after_each_request_and_then_sleeps(wide_s
     pid = wide_spinner.proc.pid
     with remotorch.Session(wide_spinner.url, token=TOKEN) as session:
         session.echo([b"x"])
-        time.sleep(2 * WINDOW)
+        assert _asleep(pid)
         before = _cpu_seconds(pid)
         for _ in range(4):
             session.echo([b"x" * 64])  # a few microseconds of work, then a window of busy-polling
-            time.sleep(2 * WINDOW)
+            assert _asleep(pid), "the worker spun on past its window"
         spun = _cpu_seconds(pid) - before
     # a worker that sleeps at once needs milliseconds; one that spins, up to 4 windows (less on a busy host)
     assert spun >= WINDOW, f"4 requests cost the worker only {spun:.2f} s of CPU: it did not spin"
-    time.sleep(2 * WINDOW)  # past the window that followed the session's last message
+    assert _asleep(pid)  # past the window that followed the session's last message
     before = _cpu_seconds(pid)
     time.sleep(2.0)
     used = _cpu_seconds(pid) - before
@@ -128,7 +141,7 @@ def test_a_client_spins_for_its_window_while_its_call_runs_then_waits_asleep(wid
             assert torch.equal(compiled(x), x * 3)  # compiled, uploaded
             spent = []
             for _ in range(2):  # the lesser of two: one call may also pay for what the host did to us
-                time.sleep(2 * WINDOW)  # the worker's own window after the last reply is over
+                assert _asleep(wide_spinner.proc.pid)  # the worker's own window after the last reply is over
                 gc.disable()  # late in a long run one full collection alone can cost ~100 ms of this thread
                 try:
                     start, started_at = time.thread_time(), time.monotonic()
@@ -215,7 +228,7 @@ def test_an_auto_spinning_worker_is_fast_in_bursts_exact_and_idle_when_left_alon
             for _ in range(50):  # a burst: both ends poll between the calls
                 x = torch.randn(8, 784)
                 assert torch.equal(compiled(x), model(x))
-    time.sleep(0.2)
+    assert _asleep(pid), "an idle auto-spinning worker went on spinning"
     before = _cpu_seconds(pid)
     time.sleep(2.0)
     used = _cpu_seconds(pid) - before

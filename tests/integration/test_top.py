@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from remotorch import errors
 from remotorch.codec import messages as m
 
 from conftest import TOKEN, clean_env
+from helpers import Lines, default_ctrl_c
 from test_rich_output_terminal import ESC, run_in_terminal
 from test_tenants import ALICE, mlp, table
 
@@ -75,12 +75,6 @@ def test_top_in_a_pipe_prints_each_refresh_as_plain_text(shared):
     assert "slowest graphs" in out and "eager" in out and "recent errors" in out and "missing" in out
 
 
-def _default_ctrl_c() -> None:
-    """Ctrl-C as at a terminal: a run started in the background (``cmd &`` in a script) ignores SIGINT,
-    and so would every process it starts, Python's handler included."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def test_top_at_a_terminal_redraws_and_ends_cleanly_on_ctrl_c(start_server):
     srv = start_server(name="watched")  # one --token: its holder is the operator
     env = clean_env(COLUMNS="120", TERM="xterm")
@@ -89,16 +83,17 @@ def test_top_at_a_terminal_redraws_and_ends_cleanly_on_ctrl_c(start_server):
     assert ESC in out and "watched" in out and "tenants" in out and "Traceback" not in out
     proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "remotorch", "top", srv.url, "--token", TOKEN,
                              "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=_default_ctrl_c)
-    time.sleep(3.0)
+                            preexec_fn=default_ctrl_c)
+    stdout, stderr = Lines(proc.stdout), Lines(proc.stderr)
+    stdout.wait_for(lambda line: f"watched ({srv.url})" in line)  # its first redraw: it runs
     proc.send_signal(signal.SIGINT)
     try:
-        stdout, stderr = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
     except subprocess.TimeoutExpired:  # hung after Ctrl-C: its threads' stacks say where
         proc.send_signal(signal.SIGABRT)
-        stdout, stderr = proc.communicate(timeout=30)
-        raise AssertionError(f"remotorch top did not end 60 s after Ctrl-C:\n{stderr[-6000:]}") from None
-    assert proc.returncode == 0 and "Traceback" not in stderr and "watched" in stdout, stderr
+        proc.wait(timeout=30)
+        raise AssertionError(f"remotorch top did not end 60 s after Ctrl-C:\n{stderr.text()[-6000:]}") from None
+    assert proc.returncode == 0 and "Traceback" not in stderr.text() and "watched" in stdout.text(), stderr.text()
 
 
 def test_top_says_which_worker_it_cannot_ask(shared):

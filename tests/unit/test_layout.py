@@ -24,14 +24,16 @@ PACKAGE = REPO / "src" / "remotorch"
 # part -> parts it must never import (directly or through a lazy or type-only import)
 FORBIDDEN = {
     "codec": {"client", "capture", "training", "pipeline", "parallel", "cluster", "deploy", "profile", "worker",
-              "transport"},
+              "transport", "weights"},
     "transport": {"client", "capture", "training", "pipeline", "parallel", "cluster", "deploy", "profile", "worker",
-                  "codec"},
-    "worker": {"client", "capture", "training", "pipeline", "parallel", "cluster", "deploy", "profile"},
-    "client": {"capture", "training", "pipeline", "parallel", "cluster", "deploy", "profile", "worker"},
+                  "codec", "weights"},
+    "worker": {"client", "capture", "training", "pipeline", "parallel", "cluster", "deploy", "profile", "weights"},
+    "client": {"capture", "training", "pipeline", "parallel", "cluster", "deploy", "profile", "worker", "weights"},
     "capture": {"training", "pipeline", "parallel", "cluster", "deploy", "profile", "worker", "transport",
-                "client.session"},
-    "training": {"capture", "pipeline", "parallel", "cluster", "deploy", "profile", "worker"},
+                "client.session", "weights"},
+    "training": {"capture", "pipeline", "parallel", "cluster", "deploy", "profile", "worker", "weights"},
+    # weights on the worker: built on client, capture (a model compiled on its first call) and training
+    "weights": {"pipeline", "parallel", "cluster", "deploy", "profile", "worker", "compat"},
     "pipeline": {"parallel", "cluster", "deploy", "profile", "worker"},
     "parallel": {"cluster", "deploy", "profile", "worker"},
     "deploy": {"capture", "training", "pipeline", "parallel", "cluster", "profile", "compat", "worker"},

@@ -243,3 +243,21 @@ def test_close_stops_the_relay_and_frees_its_port(serve):
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", proxy.port), timeout=5).close()
     assert proxy.cut() == 0  # a closed relay has nothing to cut
+
+
+def test_a_delay_toward_the_client_alone_holds_replies_until_a_cut(serve):
+    server = serve(echo)
+    with DelayProxy(("127.0.0.1", server.port), delay_ms=1) as proxy, connect(proxy) as c:
+        proxy.set_delay(1, down_ms=3600e3)
+        c.sendall(b"q" * 300)  # reaches the server at once; its answer stays in the relay
+        deadline = time.monotonic() + 30
+        while proxy.exchanges() != [Exchange(up=300, down=300)] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proxy.exchanges() == [Exchange(up=300, down=300)]
+        assert proxy.cut() == 300  # what it held: the answer
+        with pytest.raises(ConnectionResetError):
+            c.recv(100)
+        proxy.set_delay(1)  # both ways alike again
+        with connect(proxy) as again:
+            again.sendall(b"back")
+            assert recv_exactly(again, 4) == b"back"

@@ -62,3 +62,39 @@ def test_time_spent_waiting_for_room_in_the_queue_is_not_the_pace():
         waited += 0.038
     pipe.answered(0.040)
     assert pipe.steps() == 20
+
+
+def test_the_pace_needs_three_gaps_and_is_their_median():
+    pipe = StepPipe()
+    pipe.answered(0.024)
+    for t in (0.0, 0.001, 0.003):  # two gaps: 1 and 2 ms
+        pipe.stepped(t)
+    assert pipe.steps() == 0
+    pipe.stepped(0.006)  # three: 1, 2 and 3 ms, the median 2
+    assert pipe.steps() == 12
+    for t in (0.010, 0.015, 0.021):  # six: 1..6 ms, the median the upper middle one, 4
+        pipe.stepped(t)
+    assert pipe.steps() == 6
+
+
+def test_the_pace_is_that_of_the_last_31_steps():
+    pipe = StepPipe()
+    pipe.answered(0.1)
+    t = steps_every(pipe, 0.05, 17)  # 16 gaps of 50 ms, then 16 of 10 ms: the last 31 hold 15 slow ones
+    steps_every(pipe, 0.01, 16, start=t - 0.05 + 0.01)
+    assert pipe.steps() == 10
+
+
+def test_steps_sent_at_once_fill_the_pipe_and_waited_defaults_to_none():
+    pipe = StepPipe()
+    pipe.answered(0.001)
+    for _ in range(4):
+        pipe.stepped(5.0)  # no time between them
+    assert pipe.steps() == MAX_PIPE
+    explicit, implicit = StepPipe(), StepPipe()
+    for p in (explicit, implicit):
+        p.answered(0.02)
+    for i in range(5):
+        explicit.stepped(i * 0.004, waited=0.0)
+        implicit.stepped(i * 0.004) if i % 2 else implicit.stepped(i * 0.004, 0.0)
+    assert explicit.steps() == implicit.steps() == 5

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..client.wiring import ensure as _join_parts
 from ..codec.ops import CORE_NAMESPACES
 from ..codec.rngstate import draws_random
 from ..errors import UnsupportedGraphError
@@ -411,3 +412,6 @@ class _RefreshBeforeStateDict:
 
     def __reduce__(self):
         return (_RefreshBeforeStateDict, (None,))
+
+
+_join_parts()  # the root's wiring (remotorch.client.wiring): dynamo may import this module alone, by entry point

@@ -10,16 +10,22 @@ from .top import add_top_parser
 
 
 def cmd_health(args: argparse.Namespace) -> int:
+    from ..client.probe import Probe
+    from ..config import from_env
     from ..errors import RemoteError
-    from ..client.session import Session
 
-    with Session(args.url, token=args.token, connect_timeout=args.timeout, timeout=args.timeout,
-                 retry_after=0.0, tls_ca=args.tls_ca) as session:
-        try:
-            info = session.health()
-        except RemoteError as exc:
-            print(f"unhealthy: {args.url}: {type(exc).__name__}: {exc}")
-            return 1
+    env = from_env()
+    token = args.token if args.token is not None else env.token
+    try:
+        with Probe(args.url, token, timeout=args.timeout, connect_timeout=args.timeout,
+                   tls_ca=args.tls_ca or env.tls_ca) as probe:
+            info = probe.health()
+    except ValueError as exc:  # not an address
+        print(f"remotorch health: {exc}", file=sys.stderr)
+        return 2
+    except RemoteError as exc:
+        print(f"unhealthy: {args.url}: {type(exc).__name__}: {exc}")
+        return 1
     print(f"healthy: {args.url}")
     for key in ("name", "device", "torch_version", "engines", "allowed_ops", "protocol", "framing", "sessions",
                 "price_per_hour"):
@@ -158,25 +164,41 @@ def cmd_deploy_modal(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from ..config import default_cache_dir, from_env
-    from ..worker.disk import CacheUnavailable, DiskCache, describe
+    import time
+    from pathlib import Path
 
+    from ..codec import cachedir
+    from ..config import default_cache_dir, from_env
+
+    root = Path(args.cache_dir or from_env().cache_dir or str(default_cache_dir())).expanduser().resolve()
     try:
-        disk = DiskCache(args.cache_dir or from_env().cache_dir or str(default_cache_dir()), max_bytes=1 << 62)
-    except CacheUnavailable as exc:
-        print(f"remotorch cache: {exc.strerror}", file=sys.stderr)
+        if args.action == "clear":
+            print(f"cleared {root}: {_mib(cachedir.clear(root))} freed")
+        elif args.action == "du":
+            usage = cachedir.usage(root)
+            for part, n in [*usage.items(), (str(root), sum(usage.values()))]:
+                print(f"{_mib(n):>12}  {part}")
+        else:
+            for e in sorted(cachedir.entries(root), key=lambda e: -e.used):
+                print(f"{e.kind:18s} {e.key[:16]}  {_mib(e.nbytes):>12}  "
+                      f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(e.used))}")
+    except OSError as exc:
+        print(f"remotorch cache: {root}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    for line in describe(disk, args.action):
-        print(line)
     return 0
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB" if nbytes < 1 << 30 else f"{nbytes / (1 << 30):.2f} GiB"
 
 
 def cmd_token_new(args: argparse.Namespace) -> int:
     import secrets
 
-    from ..worker.tenants import NAME, token_hash
+    from ..config import TENANT_NAME
+    from ..transport.handshake import token_hash
 
-    if not NAME.fullmatch(args.name):
+    if not TENANT_NAME.fullmatch(args.name):
         print("remotorch token new: a name is 1 to 64 characters of [A-Za-z0-9_.-]", file=sys.stderr)
         return 2
     token = "rmt_" + secrets.token_urlsafe(32)
@@ -272,8 +294,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from ..worker.logs import configure
+    """Run ``remotorch ARGV``; its exit status. Ctrl-C at any moment (a slow import included) ends it
+    without a traceback: status 130, as a shell reports an interrupted command, or 0 for ``top``,
+    whose normal way to stop it is."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = build_parser().parse_args(argv)
+        _configure_logging(args)
+        return args.fn(args)
+    except KeyboardInterrupt:
+        return 0 if [a for a in argv if not a.startswith("-")][:1] == ["top"] else 130
 
-    configure(getattr(args, "log_format", "text"), args.verbose)
-    return args.fn(args)
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    """Log warnings (debug messages with ``-v``) to stderr; ``serve --log-format json`` as JSON records."""
+    if getattr(args, "log_format", "text") == "json":
+        from ..worker.logs import configure_json  # (serve: the worker is imported anyway)
+
+        configure_json(args.verbose)
+    else:
+        import logging
+
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -101,7 +101,8 @@ def make_server(args: argparse.Namespace, token: str | None = None):
         engine_names = [e for e in args.engines.split(",") if e] if args.engines else None
         worker = Worker(args.device, name=args.name, price_per_hour=args.price_per_hour,
                         engine_names=engine_names, limits=_limits(args), allow_ops=allow_ops,
-                        group_host=args.group_host, disk=disk, cuda_graphs=args.cuda_graphs)
+                        group_host=args.group_host, disk=disk, cuda_graphs=args.cuda_graphs,
+                        roots=_roots(args))
         engines.prewarm([e for e in (args.warm_engines or "").split(",") if e], worker.device)
         tls = _tls(args)
     except (ValueError, OSError) as exc:
@@ -115,6 +116,14 @@ def make_server(args: argparse.Namespace, token: str | None = None):
         raise ServeError(str(exc)) from None
     except OSError as exc:
         raise ServeError(f"cannot listen: {exc}") from None
+
+
+def _roots(args: argparse.Namespace):
+    """The folders ``--weights`` (read only) and ``--checkpoints`` (read and write) name."""
+    from ..worker.roots import Roots, parse_root
+
+    return Roots([parse_root(spec, False) for spec in args.weights or ()] +
+                 [parse_root(spec, True) for spec in args.checkpoints or ()])
 
 
 def _disk_cache(args: argparse.Namespace):
@@ -171,8 +180,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"remotorch: {line}", file=sys.stderr, flush=True)
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C: stop as SIGTERM does, with the status of an interrupted command
         server.shutdown()
+        return 130
     return 0
 
 
@@ -222,6 +232,13 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     serve.add_argument("--import", dest="imports", default=None, metavar="MODULE[,MODULE…]",
                        help="modules to import at start-up that register custom operators "
                             "(for namespaces --allow-ops names that remotorch does not know)")
+    serve.add_argument("--weights", action="append", metavar="NAME=DIR",
+                       help="a folder of weights clients may load by name (NAME/relative/path: safetensors "
+                            "files, save_pretrained folders, or a Hugging Face hub cache's org/repo); read "
+                            "only; may be repeated. With none, every load is refused (see docs/security.md)")
+    serve.add_argument("--checkpoints", action="append", metavar="NAME=DIR",
+                       help="a folder clients may save checkpoints into (and load them from) by name; may "
+                            "be repeated")
     serve.add_argument("--exit-on-stdin-close", action="store_true", help=argparse.SUPPRESS)
     serve.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve tls:// (encrypted)")
     serve.add_argument("--tls-key", default=None, help="PEM private key (if not in --tls-cert)")

@@ -29,7 +29,7 @@ def add_top_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from ..client.session import Session
+    from ..client.probe import Probe
     from ..config import from_env
     from ..profile.tables import is_terminal
 
@@ -39,8 +39,12 @@ def cmd_top(args: argparse.Namespace) -> int:
         print("remotorch top: name a worker (tcp://host:port), or set REMOTORCH_URL", file=sys.stderr)
         return 2
     token = args.token or env.token
-    sessions = {url: Session(url, token=token, retry_after=0.0, tls_ca=args.tls_ca, connect_timeout=5.0,
-                             timeout=10.0) for url in urls}
+    try:
+        probes = {url: Probe(url, token, tls_ca=args.tls_ca or env.tls_ca, connect_timeout=5.0, timeout=10.0)
+                  for url in urls}
+    except ValueError as exc:  # not an address
+        print(f"remotorch top: {exc}", file=sys.stderr)
+        return 2
     terminal = is_terminal()
     previous: dict[str, tuple[float, object]] = {}
     try:
@@ -49,24 +53,21 @@ def cmd_top(args: argparse.Namespace) -> int:
 
             from rich.console import Group
 
-            with Live(Group(*_screen(_poll(sessions, previous), terminal=True)), auto_refresh=False,
+            with Live(Group(*_screen(_poll(probes, previous), terminal=True)), auto_refresh=False,
                       screen=False) as live:
                 for _ in _ticks(args):
-                    live.update(Group(*_screen(_poll(sessions, previous), terminal=True)), refresh=True)
+                    live.update(Group(*_screen(_poll(probes, previous), terminal=True)), refresh=True)
         else:
             from ..profile.tables import write
 
-            write(*_screen(_poll(sessions, previous), terminal=False), terminal=False)
+            write(*_screen(_poll(probes, previous), terminal=False), terminal=False)
             for _ in _ticks(args):
-                write(*_screen(_poll(sessions, previous), terminal=False), terminal=False)
+                write(*_screen(_poll(probes, previous), terminal=False), terminal=False)
     except KeyboardInterrupt:
         pass
     finally:
-        for s in sessions.values():
-            try:
-                s.close()
-            except Exception:  # noqa: BLE001 (a worker that went away: nothing to close)
-                pass
+        for probe in probes.values():
+            probe.close()
     return 0
 
 
@@ -78,16 +79,16 @@ def _ticks(args):
         yield n
 
 
-def _poll(sessions, previous) -> list[tuple[str, object, dict]]:
+def _poll(probes, previous) -> list[tuple[str, object, dict]]:
     """Each worker's reply (or the error asking it), with rates since the last poll."""
     from ..codec import messages as m
     from ..errors import RemoteError
 
     out = []
-    for url, s in sessions.items():
+    for url, probe in probes.items():
         now = time.monotonic()
         try:
-            reply, _ = s.connection.request(m.Stats(), expect=m.StatsReply)
+            reply = probe.ask(m.Stats(), m.StatsReply)
         except RemoteError as exc:
             out.append((url, exc, {}))
             continue

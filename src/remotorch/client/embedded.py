@@ -101,7 +101,8 @@ class EmbeddedWorker:
 
     def __init__(self, device: str = "auto", *, start_timeout: float = 120.0,
                  transport: str | None = None, spin_us: float | None = None, allow_ops: Sequence[str] = (),
-                 imports: Sequence[str] = (), cache_dir: str | None = None) -> None:
+                 imports: Sequence[str] = (), cache_dir: str | None = None,
+                 roots: Sequence[tuple[str, str]] = ()) -> None:
         self.token = secrets.token_hex(16)
         transport = transport or "unix"
         if transport not in ("unix", "tcp"):
@@ -124,6 +125,8 @@ class EmbeddedWorker:
             args += ["--allow-ops", ",".join(allow_ops)]
         if imports:
             args += ["--import", ",".join(imports)]
+        for flag, spec in roots:  # ("--weights" or "--checkpoints", "NAME=DIR")
+            args += [flag, spec]
         args += _cache_args(cache_dir)
         try:
             self._worker = spawn_worker(args, env=dict(os.environ, REMOTORCH_TOKEN=self.token,

@@ -142,7 +142,7 @@ class Plan:
             if tuple(meta.shape) != spec.shape or (kind is m.EchoArg and arg.id != self.ids.get(i)):
                 raise errors.ProtocolError(f"graph {self.graph.graph_id[:12]}: output {i} came back as "
                                            f"{arg!r}, not as planned ({list(spec.shape)})")
-            if ph is not None and "_rt_ref" in ph.__dict__:
+            if ph is not None and "_rt_ref" in ph.__dict__ and not ph._rt_ref.written:  # (written: stale)
                 value = reader.tensor(meta)
                 self.conn.reuse.returned(self.graph, i, ph)
                 fill(ph, value)
@@ -164,8 +164,9 @@ def launch(conn, graph: Graph, args: Sequence, plan: Plan, *, fields: dict | Cal
            placed=None, step: bool = False, on_read=None) -> list:
     """Send the run; Python's stand-ins for its outputs, at once (see :class:`Plan`). ``on_read``: see
     :class:`~remotorch.client.stream.Launched`."""
-    launched = Launched(f"graph {graph.graph_id[:12]}", plan.on_reply, m.RunReply, makes=tuple(
+    launched = Launched(getattr(graph, "label", "") or f"graph {graph.graph_id[:12]}", plan.on_reply, m.RunReply, makes=tuple(
         ("h", h) for h in plan.ids.values()), origin=origin.here(), step=step, on_read=on_read)
+    launched.coalesce = getattr(graph, "eager_op", False)  # an eager call's: it may leave with the next ones
     outs = plan.outputs(launched)
 
     def all_fields() -> dict:
@@ -176,7 +177,11 @@ def launch(conn, graph: Graph, args: Sequence, plan: Plan, *, fields: dict | Cal
             extra["strides"] = strides
         return extra
 
-    conn.run(graph, args, fields=all_fields, placed=placed, launched=launched)
+    try:
+        conn.run(graph, args, fields=all_fields, placed=placed, launched=launched)
+    except errors.RemoteError as exc:  # never sent: a placeholder that outlives this raises it when read
+        launched.error, launched.done = exc, True
+        raise
     return outs
 
 

@@ -39,6 +39,8 @@ class Launched:
     reply, frames = None, None
     message: tuple = ()  # (header, frames) as sent, for a replay
     alone = False  # sent while nothing else was in flight (its round trip had no queue)
+    coalesce = False  # an eager call: it may leave together with those queued next to it (client.coalesce)
+    subs: tuple | list = ()  # a message of coalesced calls: their records (each answered on its own)
 
     def __init__(self, what: str, on_reply: Callable[[object, list], None] | None = None,
                  expect: type | None = None, on_error: Callable[[errors.RemoteError], None] | None = None,

@@ -28,6 +28,7 @@ from ..transport import TcpTransport, Transport
 from ..transport.tls import client_context
 from .rng import GENERATORS
 from .launched import Launched
+from .probe import parse_reply
 from .stream import QueueLimits, Stream
 
 log = logging.getLogger(__name__)
@@ -189,6 +190,8 @@ class Link:
         try:
             if self._closed or not self.connected or self.stream.inflight:
                 return
+            # (eager calls kept to leave together stay until the next request or read: sent from this
+            # thread, their replies' callbacks would run here, beside the program's own thread)
             self.last_request = time.monotonic()
             self._transport.request(m.encode(m.Heartbeat()))
         except errors.RemoteError as exc:
@@ -238,7 +241,9 @@ class Link:
         ``launched`` and raised where its results are used (see :mod:`remotorch.client.stream`)."""
         with self.lock:
             self._ready_to_send()
-            if pending is None:
+            if launched.coalesce and pending is None and not self.stream.blocking:  # (client.coalesce)
+                self.stream.queue(body, frames, launched, self.take_pending())
+            elif pending is None:
                 self.stream.launch(body, frames, launched)
             else:
                 self._pending = pending  # (taken by this request's header: see _encode)
@@ -260,6 +265,8 @@ class Link:
 
     def _encode(self, body, seq: int, ack: int) -> bytes:
         pending, self._pending = self._pending, None  # (the request's own, once: not a later one's)
+        if type(body) is m.Runs:  # each call carries its own; what was released since rides on the next
+            return m.encode(body, None, seq=seq, ack=ack)
         if pending is None:
             pending = self.take_pending()
         return m.encode(body, pending, seq=seq, ack=ack)
@@ -297,6 +304,7 @@ class Link:
     def settle(self, until: Launched | None = None) -> None:
         """Read the replies of launched calls, oldest first (all of them, or up to ``until``)."""
         with self.lock:
+            self.stream.flush()
             if until is None:
                 while self.stream.inflight:
                     self.stream.wait(self.stream.inflight[-1], read=False)
@@ -317,24 +325,7 @@ class Link:
     @property
     def idle(self) -> bool:
         """No launched call waits for its reply."""
-        return not self.stream.inflight
-
-
-def parse_reply(header: bytes, url: str | None, expect: type | None = None) -> object:
-    """Decode a reply's frame 0; an ``ErrorReply`` is raised as its ``RemoteError``; a reply that
-    is not of type ``expect`` is a ``ProtocolError``."""
-    try:
-        reply = m.decode(header)
-    except Exception as exc:
-        raise errors.ProtocolError(f"unreadable reply from worker {url or 'local'}: {exc}") from None
-    if type(reply) is m.ErrorReply:
-        raise errors.from_reply(reply.kind, reply.message, reply.traceback, graphs=reply.graphs,
-                                tensors=reply.tensors, handles=reply.handles, slots=reply.slots,
-                                optims=reply.optims, bindings=reply.bindings)
-    if expect is not None and type(reply) is not expect:
-        raise errors.ProtocolError(f"worker {url or 'local'} answered with {type(reply).__name__}, "
-                                   f"not {expect.__name__}")
-    return reply
+        return not self.stream.inflight and self.stream.coalesced is None
 
 
 def _heartbeats(ref: weakref.ref, stop: threading.Event) -> None:

@@ -98,6 +98,6 @@ class Policies:
 
     def of(self, graph: Graph) -> GraphPolicy:
         policy = self._by_id.get(graph.graph_id)
-        if policy is None:
-            policy = self._by_id.setdefault(graph.graph_id, GraphPolicy())
+        if policy is None:  # an eager call's graph goes without waiting from its first call (client.eager)
+            policy = self._by_id.setdefault(graph.graph_id, GraphPolicy(ran=getattr(graph, "eager_op", False)))
         return policy

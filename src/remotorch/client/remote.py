@@ -70,7 +70,7 @@ class RemoteRef:
     """
 
     __slots__ = ("handle", "conn", "policy", "index", "copies", "launched", "recompute", "root", "views",
-                 "__weakref__")
+                 "written", "stays", "__weakref__")
 
     def __init__(self, handle: int, conn: Connection, policy=None, index: int = -1, launched=None) -> None:
         self.handle = handle
@@ -82,6 +82,8 @@ class RemoteRef:
         self.recompute = None  # a values.Recompute: how to make the value here if its worker is gone
         self.root: weakref.ref | None = None  # the placeholder of the whole value (its views hold it)
         self.views: list[weakref.ref] = []  # lazy views of it (they share its local buffer)
+        self.written = False  # an eager call wrote into the worker's value (a reply's copy of it is stale)
+        self.stays = False  # its home is the worker (weights it loaded): not fetched when the session ends
 
     def __del__(self) -> None:
         # runs in garbage collection, on any thread: only queue appends
@@ -124,7 +126,7 @@ NO_FETCH = {
     Tensor.size, Tensor.stride, Tensor.dim, Tensor.ndimension, Tensor.numel, Tensor.nelement,
     Tensor.element_size, Tensor.is_contiguous, Tensor.storage_offset, Tensor.__len__,
     Tensor.is_floating_point, Tensor.is_complex, Tensor.get_device, Tensor.__hash__,
-    Tensor.requires_grad_, Tensor.is_signed, Tensor._is_view, Tensor.backward,
+    Tensor.requires_grad_, Tensor.is_signed, Tensor._is_view, Tensor.backward, Tensor.data_ptr,
 } | {_getter(n) for n in (
     "shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "grad_fn", "layout",
     "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested", "is_mkldnn",
@@ -161,13 +163,14 @@ class RemoteTensor(torch.Tensor):
                 return func(*args, **kwargs)
         if not _EAGER:
             _dynamo_hooks()  # (first: dynamo must not trace _pending_among inside a compiled frame either)
-        if func not in _AS_PLAIN and not _pending_among(args, kwargs) and not torch._C._len_torch_dispatch_stack():
+        pending = None if func in _AS_PLAIN else _pending_among(args, kwargs)
+        if pending == [] and not torch._C._len_torch_dispatch_stack():
             # nothing here is on a worker any more (a placeholder that was read): a plain call
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if _dynamo_callback() is None:  # outside any compiled frame: no dynamo to keep out (its wrapper costs)
-            return _eager(func, args, kwargs)
-        return _dynamo_hooks()(func, args, kwargs)
+            return _eager(func, args, kwargs, pending)
+        return _dynamo_hooks()(func, args, kwargs, pending)
 
     @property
     def is_remote(self) -> bool:
@@ -268,12 +271,17 @@ class RemoteGrad(RemoteTensor):
 REMOTE = frozenset((RemoteTensor, RemoteGrad))  # the placeholder classes (type(x) in REMOTE: one hash lookup)
 
 
-def _eager(func, args, kwargs):
+def _eager(func, args, kwargs, pending=None):
     if func in NO_FETCH or torch._guards.TracingContext.try_get() is not None:
         # metadata, or compile-time machinery (fakeification asks untyped_storage(), is_inference()…)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
-    pending = _pending_among(args, kwargs)
+    if pending is None:  # (the caller's scan, when it made one)
+        pending = _pending_among(args, kwargs)
+    if OP_HOOK and pending and func not in _AS_PLAIN:  # the call runs on the worker (client.eager)
+        out = OP_HOOK[0](func, args, kwargs, pending)
+        if out is not NotImplemented:
+            return out
     # (never for _AS_PLAIN: trying __deepcopy__ on the meta twin would leave the twin's copy in the
     # memo under an id() that the plain tensor below may reuse, and deepcopy would return it)
     # (a gradient's placeholder reads itself in any operation, views included: no lazy view of it)
@@ -323,6 +331,7 @@ def _call_plain(func, args, kwargs):
 
 
 _EAGER: list = []
+OP_HOOK: list = []  # client.eager.on_op once a session installed it: eager calls queued to the worker
 
 
 def _dynamo_hooks():
@@ -364,8 +373,8 @@ def _lazy_view(func, src: RemoteTensor, args, kwargs):
         return src
     mouts = mout if isinstance(mout, (tuple, list)) else (mout,)
     if not mouts or not all(isinstance(o, Tensor) and o is not twin and torch._C._is_alias_of(o, twin)
-                            for o in mouts):
-        return NotImplemented
+                            and not o.is_conj() and not o.is_neg() and o.dtype == twin.dtype for o in mouts):
+        return NotImplemented  # (a ViewArg has neither a conjugate or negative flag nor another dtype)
     out = _call_plain(func, args, kwargs)  # metadata only: a view of the unwritten local buffer
     ref = src.__dict__["_rt_ref"]
     root = src.__dict__.get("_rt_base", src)
@@ -394,6 +403,12 @@ def _lazy_view(func, src: RemoteTensor, args, kwargs):
 def remote_ref(t) -> RemoteRef | None:
     """The handle a still-remote placeholder stands for, else None (also for every other value)."""
     return t.__dict__.get("_rt_ref") if type(t) in REMOTE else None
+
+
+def stays_remote(t: RemoteTensor) -> None:
+    """Let a placeholder's value live on its worker: closing the session does not fetch it (weights the
+    worker loaded itself; ``Session.pull`` brings them here when asked)."""
+    t.__dict__["_rt_ref"].stays = True
 
 
 def arg_of(t: RemoteTensor) -> m.HandleArg | m.ViewArg:

@@ -62,16 +62,19 @@ class GraphRunner:
         if graph.kind != "inference" or (training is not None and training.bound):
             return self.trainer(conn).run(graph, args)
         policy = conn.policies.of(graph)
-        unread = policy.keep(graph)
+        eager = getattr(graph, "eager_outputs", None)  # an eager call's: every output stays (client.eager)
+        unread = policy.keep(graph) if eager is None else eager
         keep = unread if self.keep_outputs else []
         # Python reads its outputs at once: waiting costs no round trip, and placeholders cost more
         waits = policy.ran and not graph.must_real and policy.waits()
         layout = None if waits else launchable(graph, policy, args)
         if layout is not None:  # unread outputs stay until the reply: a later call may name them at once
-            echo = [i for i in unread if i not in keep or nbytes(layout[i]) < self.keep_min_bytes]
+            echo = [i for i in unread if i not in keep or nbytes(layout[i]) < self.keep_min_bytes
+                    or i in policy.read_outputs]
             outs = launch(conn, graph, args, Plan(conn, graph, layout, unread, echo=echo), fields={},
                           on_read=policy.launched())
         else:
+            keep = [i for i in keep if i not in policy.read_outputs]  # (an eager call's: those not read at once)
             fields = dict(keep=keep, handle_base=conn.handles.reserve(len(keep)),
                           keep_min_bytes=self.keep_min_bytes) if keep else None
             reply, frames = conn.run(graph, args, fields=fields)

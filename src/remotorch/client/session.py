@@ -14,6 +14,7 @@ session's training client, which :mod:`remotorch.training` provides.
 from __future__ import annotations
 
 import threading
+import weakref
 from functools import partial
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, overload
@@ -24,12 +25,15 @@ from .. import errors
 from ..codec import messages as m
 from ..config import from_env, parse_spin_us
 from ..transport import Transport
+from . import values
 from .connection import Connection, ContentIds, Graph
 from .stream import QueueLimits
+from .eager import install as install_eager
 from .embedded import EmbeddedWorker
 from .progress import upload_bar
 from .runner import GraphRunner, Trainer
 from .pool import Pool, split_urls
+from .wiring import ensure as _join_parts
 
 
 class Session(GraphRunner):
@@ -81,6 +85,12 @@ class Session(GraphRunner):
     ``blocking`` (default ``REMOTORCH_LAUNCH_BLOCKING``) makes every request
     wait for its reply, for debugging.
 
+    ``weights`` and ``checkpoints`` (default ``REMOTORCH_WEIGHTS``,
+    ``REMOTORCH_CHECKPOINTS``: ``NAME=DIR,NAME=DIR``) name the folders the
+    *embedded* worker may read weights from and write checkpoints into
+    (``{"models": "/data/models"}``: see :func:`remotorch.from_pretrained`); a
+    worker elsewhere reads what its ``remotorch serve --weights`` says.
+
     ``allow_ops`` (default ``REMOTORCH_ALLOW_OPS``) lists namespaces of
     library custom operators the *embedded* worker may run
     (``["transformers"]``), with ``worker_imports`` (default
@@ -103,6 +113,12 @@ class Session(GraphRunner):
     ``remotorch`` logger set above ``WARNING`` turns that off), always
     (True) or never (False).
 
+    ``eager_remote`` (default on): an eager torch call outside a compiled
+    region whose arguments include a value kept on a worker runs on that
+    worker, queued without waiting, its result a placeholder at once
+    (:mod:`remotorch.client.eager`); only a read waits. Off, such a call reads
+    its arguments and runs here (for debugging).
+
     ``transport`` replaces the first worker's socket transport (an in-memory
     one in unit tests).
     """
@@ -119,7 +135,10 @@ class Session(GraphRunner):
                  keep_min_bytes: int = 1024, blocking: bool | None = None, queue: QueueLimits | None = None,
                  allow_ops: str | Sequence[str] | None = None,
                  worker_imports: str | Sequence[str] | None = None, progress: bool | None = None,
-                 fetch_on_close: bool = True) -> None:
+                 fetch_on_close: bool = True, eager_remote: bool = True,
+                 weights: str | Mapping[str, str] | None = None,
+                 checkpoints: str | Mapping[str, str] | None = None) -> None:
+        _join_parts()  # the root's wiring (remotorch.client.wiring): a session may be the first part used
         env = from_env()
         urls = split_urls(url)
         if urls == [None]:
@@ -129,17 +148,22 @@ class Session(GraphRunner):
         self.keep_outputs = keep_outputs
         self.keep_min_bytes = keep_min_bytes
         self.fetch_on_close = fetch_on_close
+        self.eager_remote = eager_remote
+        if eager_remote:
+            install_eager()
         self.blocking = env.launch_blocking if blocking is None else blocking
         self._token = token if token is not None else env.token
         self._tokens = dict(tokens or {})
         self._spin_s = None if spin_us is None else spin_us / 1e6  # None: auto
         self._embedded: EmbeddedWorker | None = None
         self._embedded_transport = env.embedded_transport
-        if (allow_ops or worker_imports) and None not in urls:
-            raise ValueError("allow_ops and worker_imports configure the embedded worker; a worker at a URL "
-                             "allows what its `remotorch serve --allow-ops` says")
+        if (allow_ops or worker_imports or weights or checkpoints) and None not in urls:
+            raise ValueError("allow_ops, worker_imports, weights and checkpoints configure the embedded worker; a "
+                             "worker at a URL allows and reads what its `remotorch serve` flags say")
         self._embedded_ops = (_names(allow_ops if allow_ops is not None else env.allow_ops),
-                              _names(worker_imports if worker_imports is not None else env.worker_imports))
+                              _names(worker_imports if worker_imports is not None else env.worker_imports),
+                              _roots("--weights", weights if weights is not None else env.weights) +
+                              _roots("--checkpoints", checkpoints if checkpoints is not None else env.checkpoints))
         self._lock = threading.Lock()
         self._closed = False
         self._fallbacks = 0
@@ -152,6 +176,7 @@ class Session(GraphRunner):
         def make(u: str | None) -> Connection:
             given = first.pop() if first else None
             conn = Connection(lambda: self._locate(u), ids=self.ids, transport=given, **options)
+            conn.eager_remote, conn.runner = self.eager_remote, weakref.ref(self)  # (client.eager)
             if progress is not False:
                 conn.upload_progress = partial(upload_bar, enabled=True) if progress else upload_bar
             return conn
@@ -217,7 +242,8 @@ class Session(GraphRunner):
                 spin_us = None if self._spin_s is None else self._spin_s * 1e6
                 self._embedded = EmbeddedWorker(self.device, spin_us=spin_us,
                                                 transport=self._embedded_transport,
-                                                allow_ops=self._embedded_ops[0], imports=self._embedded_ops[1])
+                                                allow_ops=self._embedded_ops[0], imports=self._embedded_ops[1],
+                                                roots=self._embedded_ops[2])
             return self._embedded.url, self._embedded.token
 
     @property
@@ -258,7 +284,7 @@ class Session(GraphRunner):
         out = dict(remote_calls=0, fallbacks=self._fallbacks, graphs_uploaded=0, tensors_uploaded=0,
                    graphs_recalled=0, tensors_recalled=0, remote_ms=0.0, values_fetched=0, values_moved=0,
                    bytes_sent=0, bytes_received=0, messages_sent=0, blocking_reads=0, queue_waits=0,
-                   requests_queued=0)
+                   requests_queued=0, eager_ops=0)
         for conn in self.pool.opened:
             if not conn.closed:
                 conn.link.poll()  # replies already here count (a launched call is counted when answered)
@@ -328,7 +354,9 @@ class Session(GraphRunner):
         return trainer
 
     def connection_for(self, worker: int | str | None) -> Connection:
-        """The connection of a worker given by index or name (None: the first)."""
+        """The connection of a worker given by index or name (None: the first), or the connection given."""
+        if isinstance(worker, Connection):  # (an eager call's graph runs where its values are: client.eager)
+            return worker
         if worker is None or worker == 0:
             return self.connection
         if isinstance(worker, int):
@@ -342,13 +370,16 @@ class Session(GraphRunner):
 
         After training with a :class:`~remotorch.optim.RemoteOptimizer` the
         worker holds the parameters of record; this brings them back, e.g.
-        before ``module.state_dict()``. Tensors the worker does not train
+        before ``module.state_dict()``. Weights a worker loaded itself
+        (:func:`remotorch.from_pretrained`) come here too, as ordinary tensors. Tensors the worker does not train
         (buffers, frozen parameters) are the local ones already and stay as
         they are, and so do the gradients of parameters no worker-side
         optimizer manages (they are in ``p.grad``). Returns how many tensors
         were copied.
         """
-        return sum(t.pull(module, grads) for t in list(self._trainers.values()))
+        pulled = sum(t.pull(module, grads) for t in list(self._trainers.values()))
+        # values the workers keep for it (weights they loaded): brought here, in one request per worker
+        return pulled + values.fetch_placeholders([*module.parameters(), *module.buffers()])
 
     def refresh(self, module: torch.nn.Module) -> int:
         """Bring back into ``module`` the parameters an optimizer stepped on a worker (only those).
@@ -373,6 +404,12 @@ def _names(value: str | Sequence[str] | None) -> tuple[str, ...]:
     """``"a,b"`` or ``["a", "b"]`` as a tuple of names."""
     parts = value.split(",") if isinstance(value, str) else list(value or ())
     return tuple(p.strip() for p in parts if p.strip())
+
+
+def _roots(flag: str, value: str | Mapping[str, str] | None) -> list[tuple[str, str]]:
+    """``{"models": "/data"}`` or ``"models=/data,hub=/cache"`` as ``[(flag, "NAME=DIR")]``."""
+    pairs = value.items() if isinstance(value, Mapping) else (p.split("=", 1) for p in _names(value) if "=" in p)
+    return [(flag, f"{name}={folder}") for name, folder in pairs]
 
 
 _default: Session | None = None

@@ -20,6 +20,7 @@ class Counters:
     tensors_recalled: int = 0
     values_fetched: int = 0  # values read back from the worker when Python used them
     values_moved: int = 0  # values sent worker to worker
+    eager_ops: int = 0  # eager torch calls on kept values sent to the worker (client.eager)
 
     def ran(self, reply, request=None) -> None:
         """One run answered (a ``RunReply``, or a ``ProfileReply``, which times itself); the values

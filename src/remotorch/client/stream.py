@@ -8,7 +8,9 @@ each session's requests one at a time, in the order sent, and answers them
 in that order). Only a read waits: a value Python reads, a request whose
 answer the caller needs, :meth:`Stream.sync`, or a full queue. Since every
 request is already on its way when the read is issued, a read costs one
-round trip, whatever was issued before it.
+round trip, whatever was issued before it. (Eager calls on kept values are
+the exception to "written when issued": those queued back to back leave
+together, as one message, :mod:`remotorch.client.coalesce`.)
 
 Each request carries a sequence number. The worker remembers, for the
 session's lease, the last one it ran and the replies not yet acknowledged
@@ -48,6 +50,7 @@ from dataclasses import dataclass
 from .. import errors
 from . import origin as origins
 from . import trace
+from .coalesce import Coalesced, fail_each
 from .depth import StepPipe
 from .launched import Launched, root
 
@@ -106,16 +109,46 @@ class Stream:
         self.name = ""  # the worker's, on trace tracks
         # before a wait: a request to send first and wait for too (the random generator's state), or None
         self.before_wait: Callable[[], Launched | None] | None = None
+        self.coalesced: Coalesced | None = None  # eager calls kept to leave together (client.coalesce)
 
     # ------------------------------------------------------------------ sending
-    def launch(self, body, frames: Sequence, launched: Launched) -> Launched:
-        """Send a request; its reply is read later (see :meth:`wait`)."""
+    def queue(self, body, frames: Sequence, launched: Launched, pending) -> Launched:
+        """An eager call: kept to leave with the next ones as one message (:mod:`remotorch.client.coalesce`),
+        with ``pending``, the housekeeping due before it."""
+        if self.coalesced is None:
+            self.coalesced = Coalesced()
+        self.requests_queued += 1
+        if self.coalesced.add(body, frames, launched, pending):  # (full: it leaves now)
+            self.flush()
+        return launched
+
+    def flush(self, seq: int = 0) -> None:
+        """Send the eager calls kept to leave together, if there are any (one message; ``seq``: the
+        number kept for it, else the next)."""
+        batch, self.coalesced = self.coalesced, None
+        if batch is None:
+            return
+        body, frames, launched = batch.message(self._failed, self.name)
+        try:
+            self.launch(body, frames, launched, seq)
+        except errors.RemoteError as exc:  # not sent at all: each call fails with it, raised at its read
+            self._failed(launched, exc)
+            return
+        batch.sent(launched, self.name)
+
+    def launch(self, body, frames: Sequence, launched: Launched, seq: int = 0) -> Launched:
+        """Send a request; its reply is read later (see :meth:`wait`). (``seq``: a number kept for it.)"""
         # the header first: it takes the housekeeping queued so far. Making room reads earlier replies,
         # which may release a handle this very request names (a placeholder filled meanwhile); that
-        # release must ride on the next request, not on this one
-        self.seq += 1
-        launched.seq = self.seq
-        header = self._encode(body, self.seq, self.acked)
+        # release must ride on the next request, not on this one. Eager calls queued before it leave
+        # first, under the number before its, after its header is made (sending them reads replies too)
+        first = self.coalesced is not None and not seq
+        if not seq:
+            self.seq += 1 + first
+        launched.seq = seq or self.seq
+        header = self._encode(body, launched.seq, self.acked)
+        if first:
+            self.flush(self.seq - 1)
         self._make_room(launched)
         alone = launched.alone = not self.inflight
         self._enter(launched, header, frames)
@@ -156,8 +189,8 @@ class Stream:
         mode and a trace take that path.) ``what`` names it in errors (by
         default the request's type).
         """
-        if self.inflight or self._exchange is None or self.blocking or trace.ACTIVE:
-            launched = self._made(body, expect, what)
+        if self.inflight or self._exchange is None or self.blocking or trace.ACTIVE or self.coalesced is not None:
+            launched = self._made(body, expect, what)  # (eager calls queued before it: they leave first)
             self.launch(body, frames, launched)
             self.wait(launched)
             launched.raise_error()
@@ -236,6 +269,8 @@ class Stream:
         here (a read may depend on them); ``launched``'s own error is not
         (the caller raises it where its value is used).
         """
+        if self.coalesced is not None:
+            self.flush()
         also = self.before_wait() if self.before_wait is not None else None
         if read and launched.on_read is not None:  # at once: nothing sent since, and soon
             on_read, launched.on_read = launched.on_read, None
@@ -255,6 +290,8 @@ class Stream:
 
     def sync(self) -> None:
         """Wait for every reply; raise the first failure not raised yet (and say how many more)."""
+        if self.coalesced is not None:
+            self.flush()
         if self.before_wait is not None:
             self.before_wait()
         if self.inflight:
@@ -340,6 +377,8 @@ class Stream:
                     tracer.answered(self.name, launched)
 
     def _failed(self, launched: Launched, exc: errors.RemoteError) -> None:
+        if launched.subs:  # eager calls sent together: each of them failed (none ran, or none was answered)
+            return fail_each(launched, exc, self._failed)
         if isinstance(exc, errors.MissingObjectsError):
             root = self._root_of(exc)
             if root is not None:
@@ -396,11 +435,11 @@ class Stream:
         error = copy.copy(exc)  # its type: unavailable, refused, ...
         error.message = f"{exc.message}; lost with it: {lost}{more}"
         error.args = (error.message,)
+        error.launched_root = todo[0]  # one failure: reported once, whichever is read
         for launched in todo:
             self.inflight.remove(launched)
             self._leave(launched)
             self._failed(launched, copy.copy(error))
-            launched.error.launched_root = todo[0]  # one failure: reported once, whichever is read
             launched.effect = True  # every later read must hear of it: state on the worker is gone
             launched.done = True
 

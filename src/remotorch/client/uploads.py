@@ -32,6 +32,7 @@ from ..codec.frames import FrameWriter
 from ..codec.tensors import tensor_to_wire
 from .graph import Graph
 from .ids import ContentIds, stamp
+from .launched import Launched
 from .link import Link
 from .remote import RemoteTensor
 from .stats import Counters
@@ -118,6 +119,12 @@ class Uploads:
         if graph.graph_id in self.graphs:
             return
         p = graph.payload
+        if getattr(graph, "eager_op", False):  # an eager call's small graph: sent without waiting
+            self.link.launch(m.PutGraph(p.graph_id, p.doc, p.consts), p.const_frames,
+                             Launched("uploading a graph", expect=m.Ok, effect=True, makes=(("g", p.graph_id),)))
+            self.graphs.add(graph.graph_id)
+            self.stats.graphs_uploaded += 1
+            return
         if self.disk_cache() and self._recall(graphs={p.graph_id: possession.Bytes([p.doc, *p.const_frames])}):
             self.graphs.add(graph.graph_id)
             self.stats.graphs_recalled += 1
@@ -133,7 +140,7 @@ class Uploads:
         what the worker lacks, and their :class:`Resident` record (its binding). The same tensors at
         the same versions as last time, with nothing released since: nothing is hashed."""
         last = self._last.get(graph.graph_id)
-        if last is not None and last.generation == self.generation and last.same(args):
+        if last is not None and last.generation == self.generation and (not graph.resident or last.same(args)):
             return last.run_args.copy(), last
         run_args, uploads = [None] * len(args), {}
         for i in graph.resident:

@@ -155,7 +155,7 @@ def fetch_held(conn: Connection, batch_bytes: int = 1 << 30, batch_count: int = 
     todo = []
     for ref in conn.handles.values():
         t = ref.root() if ref.root is not None else None
-        if t is None or t.__dict__.get("_rt_ref") is not ref:
+        if t is None or t.__dict__.get("_rt_ref") is not ref or ref.stays:
             continue
         try:
             ref.check()  # an asynchronous call still making it: wait for it (and skip it if it failed)
@@ -173,6 +173,29 @@ def fetch_held(conn: Connection, batch_bytes: int = 1 << 30, batch_count: int = 
             done += _fetch_into(conn, batch)
             batch, size = [], 0
     return done + (_fetch_into(conn, batch) if batch else 0)
+
+
+def fetch_placeholders(tensors) -> int:
+    """Bring here the values of these placeholders that are still on a worker: one ``Fetch`` per
+    worker for whole values, one each for views. Returns how many were fetched."""
+    by_conn: dict[int, tuple] = {}
+    done = 0
+    for t in tensors:
+        ref = remote_ref(t)
+        if ref is None:
+            continue
+        if "_rt_view" in t.__dict__ or not ref.handle or ref.launched is not None:
+            t.materialize_()
+            done += 1
+        else:
+            by_conn.setdefault(id(ref.conn), (ref.conn, []))[1].append(t)
+    for conn, batch in by_conn.values():
+        with conn.lock:
+            values = conn.fetch_many([m.HandleArg(t.__dict__["_rt_ref"].handle) for t in batch])
+        for t, value in zip(batch, values):
+            fill(t, value)
+        done += len(batch)
+    return done
 
 
 def _fetch_into(conn: Connection, placeholders: list) -> int:

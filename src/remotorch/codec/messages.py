@@ -4,9 +4,9 @@ A message is frame 0 (an msgpack :class:`Envelope`, with the protocol version) a
 frames (tensor bytes, never copied into the header); ``docs/protocol.md`` is the normative text.
 The core requests and replies are declared here; the others live in sibling modules by part of
 the protocol (:mod:`.args`: tensor layouts and call arguments; :mod:`.training`; :mod:`.values`;
-:mod:`.groups`; :mod:`.cache`; :mod:`.stats`; :mod:`.attention`), and this module is the face of
-them all: it takes them into ``Request`` and ``Reply`` and re-exports every one (import them from
-here: ``m.OptimStep``).
+:mod:`.groups`; :mod:`.cache`; :mod:`.stats`; :mod:`.attention`; :mod:`.weights`), and this module
+is the face of them all: it takes them into ``Request`` and ``Reply`` and re-exports every one
+(import them from here: ``m.OptimStep``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from .training import (AccumulateGrads, BindSlots, ClipGradNorm, Hyper, NormRepl
                        OptimGetState, OptimSetState, OptimStateReply, OptimStep, OptimZeroGrad, PullReply,
                        PullSlots)
 from .values import Deliver, ExpectHandles, Fetch, FetchReply, SendHandles, TicketReply
+from .weights import (MAX_SHARD_BYTES, LoadOptimizer, LoadWeights, OpenWeights, OptimLoaded, SaveOptimizer,  # noqa: F401
+                      SaveReply, SaveWeights, TensorSpec, WeightsIndex)
 
 PROTOCOL_VERSION = 8
 MAX_BINDINGS = 4096  # argument bindings a session may hold on a worker (Run.bind, §8.1)
@@ -209,6 +211,8 @@ class HealthReply(msgspec.Struct, frozen=True, tag="health_reply", omit_defaults
     allowed_ops: list[str] = []  # namespaces of custom operators graphs may call (``serve --allow-ops``)
     disk_cache: dict[str, Union[int, str]] = {}  # ``serve --cache-dir``: folder, bytes, counters (§20)
     framing: str = ""  # "compiled" (_cframing) or "python": what this worker frames plain (not TLS) sockets with
+    weight_roots: dict[str, str] = {}  # ``serve --weights/--checkpoints``: root name -> "read" or "write" (§22)
+    weights_read: int = 0  # tensor bytes read from weight files since the worker started (§22)
 
 
 class Ok(msgspec.Struct, frozen=True, tag="ok", omit_defaults=True):
@@ -271,6 +275,33 @@ class ProfileReply(msgspec.Struct, frozen=True, tag="profile_reply", omit_defaul
     cuda_graph: str = ""  # with cuda_graphs: "replayed", or why its last run ran uncaptured
 
 
+# ------------------------------------------------- eager calls queued together (§18.4)
+class Runs(msgspec.Struct, frozen=True, tag="runs", omit_defaults=True):
+    """Run these graphs in order, each as its ``Run`` says, each after its own housekeeping.
+
+    An eager torch call on a value kept on the worker is one small ``Run``
+    (``remotorch.client.eager``); the client sends those it queues back to
+    back as one message. ``frames``: how many of the message's buffer frames
+    each run takes, in order (empty: none takes any); ``housekeeping``: each
+    run's deferred housekeeping (a ``Pending``, or nil), applied just before
+    it, as an envelope's is before its request (empty: none has any).
+    """
+
+    runs: list[Run]
+    frames: list[int] = []
+    housekeeping: list[Union[Pending, None]] = []
+
+
+class RunsReply(msgspec.Struct, frozen=True, tag="runs_reply", omit_defaults=True):
+    """What each run of a ``Runs`` came to: its time, and, for a run with more to say than an empty
+    brief reply (values, the generator's changes, a compile, a failure), that reply by its index (a
+    failed run: its ``ErrorReply``; the runs after it still ran). Buffer frames: every run's values,
+    numbered across the message."""
+
+    run_ms: list[float]
+    said: dict[int, Union[RunReply, ErrorReply]] = {}
+
+
 # ------------------------------------------------------------ every message, once
 Request = Union[Health, PutGraph, PutTensors, Run, Echo, Flush,  # core (§8.1)
                 Attach, Heartbeat, Detach, ProfileGraph,  # sessions (§8.4), profiling (§8.3)
@@ -280,10 +311,13 @@ Request = Union[Health, PutGraph, PutTensors, Run, Echo, Flush,  # core (§8.1)
                 OpenStore, JoinGroup, LeaveGroup, BroadcastSlots, ReduceGrads,  # process groups (§19)
                 Challenge, Have,  # the disk cache (§20)
                 Stats,  # the operator's view (§21)
-                AttentionChoice]  # the worker's attention kernels (§8.5)
+                AttentionChoice,  # the worker's attention kernels (§8.5)
+                Runs,  # eager calls queued together (§18.4)
+                OpenWeights, LoadWeights, SaveWeights, SaveOptimizer, LoadOptimizer]  # weights on the worker (§22)
 Reply = Union[HealthReply, Ok, RunReply, EchoReply, ErrorReply, AttachReply, ProfileReply,
               PullReply, NormReply, OptimStateReply, FetchReply, TicketReply, StoreReply,
-              ChallengeReply, HaveReply, StatsReply, AttentionChoiceReply]
+              ChallengeReply, HaveReply, StatsReply, AttentionChoiceReply, RunsReply, WeightsIndex, SaveReply,
+              OptimLoaded]
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

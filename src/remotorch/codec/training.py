@@ -11,7 +11,7 @@ from typing import Union
 
 import msgspec
 
-from .args import RefArg, ScalarArg, TensorArg, TensorMeta
+from .args import HandleArg, RefArg, ScalarArg, TensorArg, TensorMeta, ViewArg
 
 # Saved activations, trainable parameters and optimizers stay on the worker,
 # in the session; the client names them by small integers it chooses itself
@@ -20,10 +20,11 @@ Hyper = Union[int, float, bool, None, str, list[Union[int, float, bool]]]
 
 
 class BindSlots(msgspec.Struct, frozen=True, tag="bind_slots", omit_defaults=True):
-    """Set parameter slots (created if new) from uploaded content (RefArg) or inline tensors."""
+    """Set parameter slots (created if new) from uploaded content (RefArg), inline tensors, or values
+    the session keeps (HandleArg: the slot shares that tensor's memory; ViewArg: a copy of the view)."""
 
     slots: list[int]
-    values: list[Union[TensorArg, RefArg]]
+    values: list[Union[TensorArg, RefArg, HandleArg, ViewArg]]
 
 
 class AccumulateGrads(msgspec.Struct, frozen=True, tag="accumulate_grads", omit_defaults=True):

@@ -41,7 +41,7 @@ import torch
 
 from .. import errors
 from ..client.session import Session, default_session
-from ..profile import accelerate
+from ..profile.accelerate import accelerate
 from ..profile.context import current_profiler
 from ..profile.profiler import Profiler
 from ..profile.report import Report

@@ -4,7 +4,8 @@
 after authenticating: random bytes, mutated valid envelopes, well-typed
 messages with hostile values (sizes, strides, frame indices, ids, graph
 documents, subgraphs of higher-order operators among them: see
-:mod:`~remotorch.devtools.subgraph_docs`) and random frames.
+:mod:`~remotorch.devtools.subgraph_docs`; loads and saves of weights under
+hostile names) and random frames.
 :func:`framing_garbage` yields byte strings that
 break the framing itself. Everything is drawn from a seeded ``random.Random``,
 so a failure replays from its seed. Nothing here knows about sockets.
@@ -89,6 +90,37 @@ def _doc(rng: random.Random) -> bytes:
     return msgspec.msgpack.encode({"format": rng.choice([1, 1, 1, 2, "1"]), "nodes": nodes})
 
 
+_NAMES = ["w/tiny.safetensors", "w/tiny", "w/../x", "w/%2e%2e/x", "/etc/passwd", "w//x", "w/./x", "w\\x",
+          "w/a\0b", "w/escape", "ck/out", "ck/../w", "ck/out/optimizer.safetensors", "nope/x", "", "w",
+          "w/" + "a" * 3000, "ck/" + "/".join(["d"] * 40), "w/org/repo", "w/tiny/../../x"]
+
+
+def _weights_body(rng: random.Random, frames: int) -> dict:
+    """A load or save under hostile names, keys, handles and specs (protocol.md §22)."""
+    kind = rng.choice(["open_weights", "load_weights", "save_weights", "save_optim", "load_optim"])
+    body = {"type": kind, "revision": rng.choice(["", "main", "../../x", "0" * 40, "%00", 5])}
+    name = rng.choice(_NAMES)
+    if kind in ("open_weights", "load_weights", "load_optim"):
+        body["source"] = name
+    else:
+        body["target"] = name
+    n = rng.randrange(0, 4)
+    keys = [rng.choice(["w", "", "__metadata__", "x" * 2000, "a\0", "w"]) for _ in range(n)]
+    if kind == "load_weights":
+        body.update(keys=keys, handles=[rng.choice([1, 1, 0, -1, 2**62, "1"]) for _ in range(rng.choice([n, n + 1]))],
+                    specs=[[rng.choice(_DTYPES), [_size(rng) for _ in range(rng.choice([0, 1, 2, 70]))]]
+                           for _ in range(rng.choice([n, n + 1]))])
+    elif kind == "save_weights":
+        body.update(keys=keys, values=[rng.choice([["h", rng.choice([1, 10**9, -1])], ["p", 3], ["r", _id(rng)],
+                                                   ["t", _meta(rng, frames)], ["v", 1, [2], [1], 2**62]])
+                                       for _ in range(rng.choice([n, n + 1]))],
+                    config=rng.choice(["", "{}", "[1]", "{", "\x00"]),
+                    max_shard_bytes=rng.choice([1, 0, -1, 2**40]), metadata=rng.choice([{}, {"a": "b"}, {"a": 1}]))
+    elif kind in ("save_optim", "load_optim"):
+        body["optim"] = rng.choice([1, 0, -1, 2**63])
+    return body
+
+
 def _fitting_meta(rng: random.Random, frame: bytes, index: int) -> list:
     """A meta that fits its frame (so checks past the layout are reached), or nearly."""
     n = len(frame)
@@ -111,7 +143,10 @@ def _tensor_id(meta: list, buf: bytes) -> str:
 
 def _body(rng: random.Random, frame_list: list[bytes]) -> dict:
     frames = len(frame_list)
-    kind = rng.choice(["put_graph", "put_graph", "put_tensors", "put_tensors", "run", "attach", "random"])
+    kind = rng.choice(["put_graph", "put_graph", "put_tensors", "put_tensors", "run", "attach", "random",
+                       "weights"])
+    if kind == "weights":
+        return _weights_body(rng, frames)
     if kind == "put_graph":
         doc = _doc(rng)
         if rng.random() < 0.7:  # the right id and constants: the document reaches the decoder

@@ -124,7 +124,7 @@ class DelayProxy:
             host, port = target.split("://", 1)[1].rsplit(":", 1)
             target = (host, int(port))
         self.target = target
-        self.delay_s = delay_ms / 1e3
+        self.delay_s = self.down_s = delay_ms / 1e3
         self.bandwidth = bandwidth
         self.cuts = 0
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -145,9 +145,11 @@ class DelayProxy:
         """Where clients connect instead of the worker."""
         return f"tcp://127.0.0.1:{self.port}"
 
-    def set_delay(self, delay_ms: float) -> None:
-        """Change the one-way delay (for chunks that arrive from now on)."""
+    def set_delay(self, delay_ms: float, down_ms: float | None = None) -> None:
+        """Change the one-way delay (for chunks that arrive from now on); ``down_ms``: toward the client,
+        where it differs (a large one holds the worker's replies in the relay until a :meth:`cut`)."""
         self.delay_s = delay_ms / 1e3
+        self.down_s = self.delay_s if down_ms is None else down_ms / 1e3
 
     def exchanges(self) -> list[Exchange]:
         """Every burst pair seen so far, over all connections, in order of connection."""
@@ -311,7 +313,7 @@ class DelayProxy:
             if (level, kind) == (socket.SOL_SOCKET, _SO_TIMESTAMPNS):
                 sec, nsec = struct.unpack("ll", note[:struct.calcsize("ll")])
                 arrived -= max(0.0, time.time() - sec - nsec * 1e-9)
-        flow.held.append((arrived + self.delay_s, data))
+        flow.held.append((arrived + (self.delay_s if flow.up else self.down_s), data))
         if not data:
             flow.ended = True
             return

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
+from ..client.remote import fetch_all
+
 logger = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64,
@@ -232,6 +234,7 @@ def _plain(v):
     """A value as a plain local tensor (read from a worker if it is remote) or as it is."""
     if not isinstance(v, torch.Tensor):
         return v
+    fetch_all((v,))  # (as_subclass below reads the local buffer without asking: a kept value comes first)
     t = v.detach()
     if t._is_zerotensor():
         return torch.zeros(t.shape, dtype=t.dtype)
@@ -341,13 +344,15 @@ def cases(infos: Iterable, dtypes: Iterable[str], directions: Iterable[str],
 
 def sweep(infos: Iterable, session, *, dtypes: Iterable[str] = tuple(DTYPES),
           directions: Iterable[str] = DIRECTIONS, limit: int | None = 2,
-          progress: Callable[[Result], None] | None = None) -> list[Result]:
-    """Every case of ``infos`` (see :func:`cases`) checked on ``session``'s worker."""
+          progress: Callable[[Result], None] | None = None, checker: Callable | None = None) -> list[Result]:
+    """Every case of ``infos`` (see :func:`cases`) checked on ``session``'s worker (by ``checker``:
+    default :func:`check`; ``opinfo_eager.check`` for eager calls on kept values)."""
     results = []
+    checker = checker or check
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for info, sample, case in cases(infos, list(dtypes), list(directions), limit):
-            results.append(check(info, sample, case, session))
+            results.append(checker(info, sample, case, session))
             if progress is not None:
                 progress(results[-1])
     return results

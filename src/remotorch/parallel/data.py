@@ -42,17 +42,23 @@ class DataParallel:
     the average of a later part's gradients runs while the earlier parts'
     backward computes (default: none, every gradient averaged after the
     whole backward; ``benchmarks/data_parallel.py`` measures both).
+
+    ``weights`` (``ROOT/path`` under the workers' ``--weights`` roots) with a
+    model built on meta: every replica's worker reads the weights from its own
+    disk; none go through this process or from one worker to another.
     """
 
     def __init__(self, model: torch.nn.Module, *, loss_fn: Callable, session: Session | None = None,
                  workers: Sequence[int | str] | None = None, microbatches: int = 1, engine: str = "eager",
                  group_timeout: float = 60.0, bucket_mb: float = 25.0,
-                 overlap_before: Sequence[str] = ()) -> None:
+                 overlap_before: Sequence[str] = (), weights: str | None = None,
+                 revision: str | None = None) -> None:
         session = session if session is not None else default_session()
         replicas = len(workers) if workers is not None else len(session.connections())
         self.pipe = Pipeline(model, list(overlap_before), loss_fn=loss_fn, session=session, schedule="GPipe",
                              microbatches=microbatches, engine=engine, replicas=replicas, workers=workers,
-                             group_timeout=group_timeout, bucket_mb=bucket_mb, overlap=bool(overlap_before))
+                             group_timeout=group_timeout, bucket_mb=bucket_mb, overlap=bool(overlap_before),
+                             weights=weights, revision=revision)
 
     @property
     def model(self) -> torch.nn.Module:

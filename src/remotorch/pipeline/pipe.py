@@ -62,12 +62,19 @@ class Pipeline:
     each replica starts all of its stages' averaging once its backward is
     done, without waiting for the other replicas; ``benchmarks/data_parallel.py``
     measures both).
+
+    ``weights`` (``ROOT/path`` under a worker's ``--weights`` root, at
+    ``revision`` for a hub cache) with a model built on meta
+    (:func:`remotorch.init_empty_weights`): each worker reads from its own disk
+    only its stages' tensors (``weights_read`` says how many bytes each read),
+    and nothing of the weights goes through this process.
     """
 
     def __init__(self, model: torch.nn.Module, split_before: Sequence[str], *, loss_fn: Callable,
                  session: Session | None = None, schedule="1F1B", microbatches: int = 4,
                  engine: str = "eager", replicas: int = 1, workers: Sequence[int | str] | None = None,
-                 group_timeout: float = 60.0, bucket_mb: float = 25.0, overlap: bool = False) -> None:
+                 group_timeout: float = 60.0, bucket_mb: float = 25.0, overlap: bool = False,
+                 weights: str | None = None, revision: str | None = None) -> None:
         if microbatches < 1:
             raise ValueError("microbatches must be at least 1")
         if not isinstance(replicas, int) or replicas < 1:
@@ -86,6 +93,8 @@ class Pipeline:
         self.group_timeout = group_timeout
         self.bucket_bytes = max(1, int(bucket_mb * (1 << 20)))
         self.overlap = overlap
+        self.weights, self.revision = weights, revision  # each worker reads its stages' part of these files
+        self.weights_read: dict[str, int] = {}  # bytes of weights each worker read for its stages
         self.replica_layouts: list[StageLayout] = []  # replica r's stages (layout is replica 0's)
         self.columns: list[Column] = []  # worker w of every replica, and its group
         self.generation = 0
@@ -136,6 +145,10 @@ class Pipeline:
 
     def _build(self, first) -> None:
         args, target = first
+        if self.weights is not None:
+            from ..weights.stages import traceable
+
+            traceable(self.model)  # a model on meta: traced with tensors that hold nothing
         self.split = split_model(self.model, self.loss_fn, self.split_before, args, target)
         conns = self._conns()
         if len(conns) < self.replicas:
@@ -153,6 +166,11 @@ class Pipeline:
                        for stage in self.split.stages]
             self.replica_layouts.append(StageLayout(runners, placement, [c.url or "" for c in mine]))
         self.layout = self.replica_layouts[0]
+        if self.weights is not None:
+            from ..weights.stages import load_stages
+
+            self.weights_read = load_stages(self.session, self.weights, self.revision, self.model, self.split,
+                                            self.replica_layouts)
         for r in self.layout.runners:
             r.bind()
         if self.replicas > 1:

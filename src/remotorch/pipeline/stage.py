@@ -23,6 +23,8 @@ from .. import errors
 from ..capture.graph import output_devices
 from ..client import origin
 from ..client.launched import Launched
+from ..client.remote import remote_ref
+from ..client.values import value_arg
 from ..codec import messages as m
 from ..codec.frames import FrameReader
 from ..codec.graph import GraphPayload, encode_graph
@@ -108,15 +110,18 @@ class StageRunner:
         read, with the loss on the last stage (else None)."""
         g = self.graphs
         values, placed = [], []
-        buffers = [t for s, t in zip(g.inputs, g.tensors) if s.kind == "buffer"]
+        buffers = [t for s, t in zip(g.inputs, g.tensors) if s.kind == "buffer" and remote_ref(t) is None]
+        if len(buffers) < sum(s.kind == "buffer" for s in g.inputs):  # some a worker keeps (it loaded them)
+            self.conn.import_values([t for t in g.tensors if remote_ref(t) is not None])  # (its own: no move)
         with self.conn.lock:
             refs = iter(self.conn.refs(buffers)) if buffers else iter(())
             for pos, src in enumerate(g.inputs):
                 value, arg = None, None
                 if src.kind == "param":
                     arg = m.SlotArg(self.client.slots.lookup(g.tensors[pos]).sid)
-                elif src.kind == "buffer":
-                    arg = m.RefArg(next(refs))
+                elif src.kind == "buffer":  # a worker's value (loaded there) by handle, else by content id
+                    t = g.tensors[pos]
+                    arg = value_arg(self.conn, t, None) if remote_ref(t) is not None else m.RefArg(next(refs))
                 elif src.kind == "input":
                     value = leaves[src.index]
                 elif src.kind == "target":

@@ -31,7 +31,8 @@ from ..client.ids import stamp
 from ..client import origin
 from ..client.launch import Plan, launch, launchable, nbytes
 from ..client.placeholders import placeholder
-from ..client.remote import REMOTE, RemoteGrad
+from ..client.remote import REMOTE, RemoteGrad, remote_ref
+from ..client.values import value_arg
 from ..client.launched import Launched
 from ..client.session import Session
 from ..codec import messages as m
@@ -142,9 +143,15 @@ class TrainingClient:
         if not todo:
             return
         w, values, lent = FrameWriter(), [], []
+        remote = [t for t, _ in todo if type(t) in REMOTE]
+        if remote:  # a value the worker keeps (weights it loaded): the slot takes it there, by handle
+            conn.import_values(remote)
         if conn.keeps_disk_cache():  # by content id: a restarted worker takes them from its disk
-            lent = conn.refs([t for t, _ in todo if conn.held(t) is None])
+            lent = conn.refs([t for t, _ in todo if type(t) not in REMOTE and conn.held(t) is None])
         for t, _ in todo:
+            if type(t) in REMOTE:
+                values.append(value_arg(conn, t, w))
+                continue
             tid = conn.held(t)
             values.append(m.RefArg(tid) if tid is not None else w.tensor(t))
         stamps = [stamp(t) for t, _ in todo]
@@ -218,15 +225,15 @@ class TrainingClient:
         resident = graph.resident_set
         slotted = {i for i in graph.resident if self._wants_slot(graph, args[i])}
         self.bind_stale([args[i] for i in graph.resident if i in slotted])
-        plain = [i for i in graph.resident if i not in slotted]
+        plain = [i for i in graph.resident if i not in slotted and type(args[i]) not in REMOTE]
         refs = dict(zip(plain, self._content_ids([args[i] for i in plain])))
         run_args: list = [None] * len(args)
         for i, a in enumerate(args):
             hid = handle_of(a)
             if hid is not None:
                 run_args[i] = m.HandleArg(hid)
-            elif type(a) in REMOTE:
-                continue
+            elif type(a) in REMOTE and i not in slotted:
+                continue  # a value kept on a worker: the connection names it by handle
             elif i in refs:
                 run_args[i] = m.RefArg(refs[i])
             elif i in resident:
@@ -351,7 +358,11 @@ class TrainingClient:
         """Copy slot values (and gradients) from the worker into these local tensors."""
         with self.connection.lock:
             pairs = [(t, self.slots.lookup(t)) for t in tensors]
-            pairs = [(t, slot) for t, slot in pairs if slot is not None and slot.stamp is not None]
+            for t, slot in pairs:
+                if slot is not None and self._shares_handle(t):
+                    slot.stepped = False  # its slot is its handle's memory: a read fetches the trained value
+            pairs = [(t, slot) for t, slot in pairs if slot is not None and slot.stamp is not None
+                     and not self._shares_handle(t)]
             if not pairs:
                 return 0
             self.bind_stale([t for t, _ in pairs])  # a local change made since wins, as on a call
@@ -368,6 +379,12 @@ class TrainingClient:
                 if slot.optims:  # other gradients live in p.grad already
                     t.grad = None if meta is None else reader.tensor(meta).clone().to(t.device)
         return len(pairs)
+
+
+    def _shares_handle(self, t: torch.Tensor) -> bool:
+        """``t`` stands for a value this worker keeps (its slot was bound to that very memory)."""
+        ref = remote_ref(t)
+        return ref is not None and ref.conn is self.connection
 
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -393,7 +410,7 @@ def accumulated_by_this_backward(t: torch.Tensor) -> bool:
     so it must come back to the caller.
     """
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), torch._C.DisableTorchFunctionSubclass():  # (a stand-in: no read)
             node = t.view_as(t).grad_fn.next_functions[0][0]  # t's AccumulateGrad node
         return bool(torch._C._will_engine_execute_node(node))
     except RuntimeError:

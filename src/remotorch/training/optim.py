@@ -239,6 +239,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
         else:
             self._send_state()
 
+    def took_hyperparameters(self, hyper: list[dict]) -> None:
+        """The worker's optimizer took these hyperparameters (one map per group, from a checkpoint)."""
+        for group, h in zip(self.param_groups, hyper):
+            group.update({k: tuple(v) if isinstance(v, list) else v for k, v in h.items()})
+        self._sent = [self._hyper(g) for g in self.param_groups]
+
     def _send_state(self) -> None:
         index = {id(p): i for i, p in enumerate(self._params())}
         w, entries = FrameWriter(), []

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 
 from .framing import FramedChannel
 
@@ -41,10 +42,14 @@ def more_here(channel: FramedChannel) -> bool:
 
 
 class Holding:
-    """The connections whose replies are held in the kernel now (see the module docstring)."""
+    """The connections whose replies are held in the kernel now (see the module docstring).
 
-    def __init__(self) -> None:
+    ``clock`` is injectable for tests.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.corked: dict[int, float] = {}  # connection -> since when its replies are held (the listener reads it)
+        self._clock = clock
 
     def before(self, channel: FramedChannel, cid: int, quiet: bool) -> bool:
         """Before a reply is written: whether to hold it (and the socket is corked if so)."""
@@ -53,9 +58,9 @@ class Holding:
         since = self.corked.get(cid)
         if since is None:
             channel.sock.setsockopt(socket.IPPROTO_TCP, _CORK, 1)
-            self.corked[cid] = time.monotonic()
+            self.corked[cid] = self._clock()
             return True
-        return time.monotonic() - since < HOLD_MAX_S  # (held long enough: this one takes them out)
+        return self._clock() - since < HOLD_MAX_S  # (held long enough: this one takes them out)
 
     def after(self, channel: FramedChannel, cid: int, hold: bool, written: bool) -> None:
         """After it was written (all of it, or not: the peer is slow to read): out with what was held."""

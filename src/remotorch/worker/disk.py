@@ -14,7 +14,8 @@ truncated entry is deleted and counted, never used. A file is a magic string, a 
 decoded into a typed struct (nothing is unpickled) and the raw bytes. Writes go to a temporary
 file in the same folder and are renamed into place, so workers sharing DIR never see half an
 entry. Reading an entry bumps its modification time; past ``max_bytes`` the least recently
-used entries are deleted first.
+used entries are deleted first. The folder's layout, which ``remotorch cache`` reads
+too, is :mod:`remotorch.codec.cachedir`.
 
 A cache that cannot be written (a read-only or missing folder, a full disk, a file size
 limit) never stops the worker: the failure is logged once, counted in :meth:`DiskCache.stats`
@@ -29,17 +30,17 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import struct
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
+from ..codec import cachedir
+from ..codec.cachedir import Entry, valid_id
 from ..codec.graph import graph_id
 from ..codec.messages import TensorMeta
 from ..codec.tensors import content_id
@@ -48,9 +49,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"RTCACHE1"
 _LEN = struct.Struct("<I")
-_ID = re.compile(r"[0-9a-f]{16,128}")  # every name that becomes a path: hex only (no traversal)
 _ENGINE = re.compile(r"[a-z][a-z0-9_]{0,31}")
-KINDS = ("tensors", "graphs", "artifacts")
 DEFAULT_MAX_BYTES = 20 << 30
 
 
@@ -69,21 +68,6 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(_Header)
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One cached object as ``remotorch cache ls`` shows it."""
-
-    kind: str  # "tensors", "graphs", "artifacts/ENGINE"
-    key: str
-    nbytes: int
-    used: float  # time.time() of the last write or read
-
-
-def valid_id(key: str) -> bool:
-    """Whether ``key`` may name a cache entry (lowercase hex, 16 to 128 characters)."""
-    return isinstance(key, str) and _ID.fullmatch(key) is not None
-
-
 class DiskCache:
     """Content-addressed entries under ``root``, checked on write and on read, bounded by ``max_bytes``."""
 
@@ -94,7 +78,7 @@ class DiskCache:
         self.counts = {"hits": 0, "misses": 0, "writes": 0, "write_errors": 0, "corrupt": 0, "evicted": 0}
         self.problem: str | None = None  # why writing stopped working (None: it works)
         try:
-            for sub in (*KINDS, "inductor", "tmp"):
+            for sub in cachedir.FOLDERS:
                 (self.root / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
             probe = self.root / "tmp" / f"probe-{secrets.token_hex(8)}"
             probe.write_bytes(b"remotorch")
@@ -215,38 +199,16 @@ class DiskCache:
 
     # ----------------------------------------------------------------- listing
     def entries(self) -> Iterator[Entry]:
-        """Every entry, in no order (artifacts under ``artifacts/ENGINE``)."""
-        for kind in ("tensors", "graphs"):
-            yield from self._entries(kind, self.root / kind)
-        art = self.root / "artifacts"
-        for engine in sorted(p.name for p in art.iterdir() if p.is_dir()) if art.is_dir() else ():
-            yield from self._entries(f"artifacts/{engine}", art / engine)
-
-    def _entries(self, kind: str, folder: Path) -> Iterator[Entry]:
-        for dirpath, _, files in os.walk(folder):
-            for name in files:
-                if not valid_id(name):
-                    continue
-                try:
-                    st = os.stat(os.path.join(dirpath, name))
-                except OSError:
-                    continue  # evicted meanwhile
-                yield Entry(kind, name, st.st_size, st.st_mtime)
+        """Every entry, in no order (:func:`remotorch.codec.cachedir.entries`)."""
+        return cachedir.entries(self.root)
 
     def usage(self) -> dict[str, int]:
         """Bytes on disk per part: tensors, graphs, artifacts, inductor."""
-        out = {"tensors": 0, "graphs": 0, "artifacts": 0}
-        for e in self.entries():
-            out[e.kind.split("/")[0]] += e.nbytes
-        out["inductor"] = _folder_bytes(self.inductor_dir)
-        return out
+        return cachedir.usage(self.root)
 
     def clear(self) -> int:
         """Delete every entry and inductor's caches; returns the bytes freed."""
-        freed = sum(self.usage().values())
-        for sub in (*KINDS, "inductor", "tmp"):
-            shutil.rmtree(self.root / sub, ignore_errors=True)
-            (self.root / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
+        freed = cachedir.clear(self.root)
         with self._lock:
             self._used = 0
         return freed
@@ -259,9 +221,7 @@ class DiskCache:
 
     # ---------------------------------------------------------------- internals
     def _path(self, kind: str, key: str) -> Path:
-        if not valid_id(key):
-            raise ValueError(f"cache key {key[:20]!r}… is not a hex id")
-        return self.root / kind / key[:2] / key
+        return cachedir.entry_path(self.root, kind, key)
 
     def _write(self, kind: str, key: str, header: _Header, parts) -> bool:
         path = self._path(kind, key)
@@ -363,7 +323,7 @@ class DiskCache:
         for e in found:
             if used - freed <= target:
                 break
-            if _unlink(self.root / e.kind / e.key[:2] / e.key):
+            if _unlink(self._path(e.kind, e.key)):
                 freed += e.nbytes
                 evicted += 1
         with self._lock:
@@ -392,35 +352,6 @@ def _unlink(path: Path) -> bool:
         return True
     except OSError:
         return False
-
-
-def _folder_bytes(folder: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(folder):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def describe(disk: DiskCache, action: str) -> list[str]:
-    """``remotorch cache ACTION``: lines listing (``ls``) or measuring (``du``) the entries, or
-    saying what ``clear`` freed (it clears)."""
-    if action == "clear":
-        return [f"cleared {disk.root}: {_size(disk.clear())} freed"]
-    if action == "du":
-        usage = disk.usage()
-        return [*(f"{_size(n):>12}  {part}" for part, n in usage.items()),
-                f"{_size(sum(usage.values())):>12}  {disk.root}"]
-    return [f"{e.kind:18s} {e.key[:16]}  {_size(e.nbytes):>12}  "
-            f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(e.used))}"
-            for e in sorted(disk.entries(), key=lambda e: -e.used)]
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / (1 << 20):.1f} MiB" if nbytes < 1 << 30 else f"{nbytes / (1 << 30):.2f} GiB"
 
 
 def open_for_worker(folder: str | os.PathLike, max_bytes: int) -> DiskCache | None:

@@ -39,17 +39,14 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
-def configure(fmt: str = "text", verbose: bool = False) -> None:
-    """Set up the process's logging: ``text`` (the default, as before) or ``json`` (with request records)."""
-    level = logging.DEBUG if verbose else logging.WARNING
-    if fmt != "json":
-        logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        return
+def configure_json(verbose: bool = False) -> None:
+    """Log as JSON, one object per line, with a record per request (``serve --log-format json``;
+    the command line sets up the human-readable default itself)."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level)
+    root.setLevel(logging.DEBUG if verbose else logging.WARNING)
     REQUESTS.setLevel(logging.INFO)
     logging.getLogger("remotorch.serve").setLevel(logging.INFO)  # what serve says at start-up
 

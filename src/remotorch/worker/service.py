@@ -22,43 +22,30 @@ import msgspec
 import torch
 
 from ..codec import messages as m
-from ..codec.frames import SCALARS, FrameWriter
-from ..errors import (AuthenticationError, InvalidRequestError, LimitExceededError, MissingObjectsError, ProtocolError, RemoteError,
+from ..codec.frames import FrameWriter
+from ..errors import (AuthenticationError, InvalidRequestError, LimitExceededError, ProtocolError, RemoteError,
                       RemoteOutOfMemoryError, WorkerError)
 from ..transport import framing
 from .attention import answer as _attention_choice
 from .leases import SESSION_ID, LeaseTable
-from .outputs import Echo
+from .runs import error_of, run_reply, serve_runs
 from .activity import Activity
 from .replay import Replays
 from .tenancy import Tenancy
 from .tenants import Tenants
 from .peers import PeerLinks, Tickets, deliver_proof
 from .worker import Worker
+from .replies import OK as _OK, Reply, ok as _ok
+from . import service_training, service_weights
 
 log = logging.getLogger(__name__)
 
-Reply = tuple[bytes, list]
-_WIRE = (m.HandleArg, m.KeptArg, m.ScalarArg)  # outputs the worker disposed of (the rest travel inline)
 _LIVENESS = (m.Attach, m.Heartbeat, m.Detach)  # never refused for a tenant's request rate
-_OK = m.encode(m.Ok())  # one object: an acknowledgement is told by it
 
 
 def error_reply(exc: RemoteError) -> bytes:
     """A typed failure as the reply header (missing objects listed, for the client to re-upload)."""
-    if isinstance(exc, MissingObjectsError):
-        return m.encode(m.ErrorReply(exc.kind, exc.message, exc.remote_traceback, exc.graphs, exc.tensors,
-                                     exc.handles, exc.slots, exc.optims, exc.bindings))
-    return m.encode(m.ErrorReply(exc.kind, exc.message, exc.remote_traceback))
-
-
-def _answer(o, w: FrameWriter):
-    """An output that travels in the reply: kept and echoed, a tensor inline, or a scalar."""
-    return m.EchoArg(o.id, w.meta(o.tensor)) if type(o) is Echo else w.value(o)
-
-
-def _ok() -> Reply:
-    return _OK, []
+    return m.encode(error_of(exc))
 
 
 class Service:
@@ -263,75 +250,20 @@ class Service:
         ran = self.worker.run(session, req, frames, self._send)
         self.last_run = (req.engine, ran.ms)
         w = FrameWriter()
-        value = w.value
-        if req.brief:  # only what the client does not know: values, and outputs not disposed of as planned
-            at = [i for i, o in enumerate(ran.outputs) if not isinstance(o, _WIRE) and o is not None]
-            outputs = [_answer(ran.outputs[i], w) for i in at]
-            header = m.encode(m.RunReply(outputs, ran.ms, ran.compiled, at, ran.rng or []))
-            self.last_quiet = not outputs and not ran.rng  # (nothing after this can fail: not an error's)
-            return header, w.frames
-        outputs = [o if isinstance(o, _WIRE) else _answer(o, w) for o in ran.outputs]
-        return m.encode(m.RunReply(outputs, ran.ms, ran.compiled, rng=ran.rng or [])), w.frames
+        reply = run_reply(ran, req.brief, w)
+        # a brief reply with no value (nothing after this can fail: not an error's) only acknowledges
+        self.last_quiet = req.brief and not reply.outputs and not reply.rng
+        return m.encode(reply), w.frames
+
+    def _runs(self, session, req: m.Runs, frames) -> Reply:
+        """Eager calls queued together (§18.4): each run in order, one reply for all."""
+        reply, out = serve_runs(self.worker, session, req, frames, self._send)
+        self.last_run = ("eager", sum(reply.run_ms))
+        self.last_quiet = not reply.said
+        return m.encode(reply), out
 
     def _send(self, url: str, ticket_id: bytes, secret: bytes, tensors: list) -> None:
         self.peers.send(url, ticket_id, secret, tensors, timeout=self.peer_timeout_s, tls_ca=self.peer_tls_ca)
-
-    def _bind_slots(self, session, req: m.BindSlots, frames) -> Reply:
-        if len(req.slots) != len(req.values):
-            raise InvalidRequestError("slot ids and values disagree")
-        state, reader = self.worker.trainables, self.worker.reader(frames)
-        for sid, value in zip(req.slots, req.values):
-            if isinstance(value, m.RefArg):
-                state.bind(session, sid, self.worker.resident_tensor(session, value.id), private=False)
-            else:
-                state.bind(session, sid, reader.tensor(value.meta), private=True)
-        return _ok()
-
-    def _accumulate_grads(self, session, req: m.AccumulateGrads, frames) -> Reply:
-        if len(req.slots) != len(req.metas):
-            raise InvalidRequestError("slot ids and gradients disagree")
-        reader = self.worker.reader(frames)
-        for sid, meta in zip(req.slots, req.metas):
-            self.worker.trainables.accumulate(session, sid, reader.tensor(meta), owned=True)
-        return _ok()
-
-    def _pull_slots(self, session, req: m.PullSlots, frames) -> Reply:
-        values, grads = self.worker.trainables.pull(session, req.slots, req.grads)
-        w = FrameWriter()
-        metas = [w.meta(v) for v in values]
-        grad_metas = [None if g is None else w.meta(g) for g in grads] if req.grads else []
-        return m.encode(m.PullReply(metas, grad_metas)), w.frames
-
-    def _optim_create(self, session, req: m.OptimCreate, frames) -> Reply:
-        self.worker.trainables.optim_create(session, req.optim, req.name, req.groups, req.hyper)
-        return _ok()
-
-    def _optim_step(self, session, req: m.OptimStep, frames) -> Reply:
-        self.worker.trainables.optim_step(session, req.optim, req.hyper)
-        return m.encode(m.Ok()), []  # (not ``_OK``: a training loop's queue bound waits for it, never held)
-
-    def _optim_zero_grad(self, session, req: m.OptimZeroGrad, frames) -> Reply:
-        self.worker.trainables.optim_zero_grad(session, req.optim, req.set_to_none)
-        return _ok()
-
-    def _optim_get_state(self, session, req: m.OptimGetState, frames) -> Reply:
-        w, entries = FrameWriter(), []
-        for idx, key, value in self.worker.trainables.optim_state(session, req.optim):
-            if not isinstance(value, (torch.Tensor, *SCALARS)):
-                raise InvalidRequestError(f"optimizer state {key!r} is a {type(value).__name__}, which cannot travel")
-            entries.append((idx, key, w.value(value)))
-        return m.encode(m.OptimStateReply(entries)), w.frames
-
-    def _optim_set_state(self, session, req: m.OptimSetState, frames) -> Reply:
-        reader = self.worker.reader(frames)
-        entries = [(idx, key, reader.value(v)) for idx, key, v in req.entries]
-        self.worker.trainables.optim_set_state(session, req.optim, entries)
-        return _ok()
-
-    def _clip_grad_norm(self, session, req: m.ClipGradNorm, frames) -> Reply:
-        norm = self.worker.trainables.clip_grad_norm(session, req.optim, req.max_norm, req.norm_type,
-                                                   req.error_if_nonfinite)
-        return m.encode(m.NormReply(norm)), []
 
     # ------------------------------------------------ values that stay on the worker
     def _arg_tensor(self, session, a) -> torch.Tensor:
@@ -436,15 +368,13 @@ class Service:
 
 _HANDLERS: dict[type, Callable[[Service, object, object, list], Reply]] = {
     m.Health: Service._health, m.Stats: Service._stats, m.Echo: Service._echo, m.PutGraph: Service._put_graph,
-    m.PutTensors: Service._put_tensors, m.Run: Service._run, m.ProfileGraph: Service._profile,
-    m.BindSlots: Service._bind_slots,
-    m.AccumulateGrads: Service._accumulate_grads, m.PullSlots: Service._pull_slots,
-    m.OptimCreate: Service._optim_create, m.OptimStep: Service._optim_step,
-    m.OptimZeroGrad: Service._optim_zero_grad, m.OptimGetState: Service._optim_get_state,
-    m.OptimSetState: Service._optim_set_state, m.ClipGradNorm: Service._clip_grad_norm,
+    m.PutTensors: Service._put_tensors, m.Run: Service._run, m.Runs: Service._runs,
+    m.ProfileGraph: Service._profile,
     m.Flush: Service._flush, m.Fetch: Service._fetch,
     m.ExpectHandles: Service._expect_handles, m.SendHandles: Service._send_handles,
     m.OpenStore: Service._open_store, m.JoinGroup: Service._join_group, m.LeaveGroup: Service._leave_group,
     m.BroadcastSlots: Service._broadcast_slots, m.ReduceGrads: Service._reduce_grads,
     m.Challenge: Service._challenge, m.Have: Service._have, m.AttentionChoice: _attention_choice,
+    **service_training.HANDLERS,  # training state (§17)
+    **service_weights.HANDLERS,  # weights read and written by the worker (§22)
 }

@@ -137,7 +137,7 @@ class Tenancy:
     def reload(self, end_session: Callable[[object], None]) -> list[str]:
         """Read the tokens file again; the revoked tenants' sessions end (``end_session(key)``) and their
         connections' next request is refused. Returns the names of the tenants revoked."""
-        before = {t.key_id: t.name for t in map(self.tenants.get, list(self._known_kids())) if t is not None}
+        before = {t.key_id: t.name for t in self.tenants.all()}  # (a revoked tenant is named, connected or not)
         try:
             gone = set(self.tenants.reload())
         except ValueError as exc:
@@ -158,14 +158,9 @@ class Tenancy:
             self._own.difference_update(doomed)
         for cid in own:
             end_session(cid)
-        names = sorted(before.get(k, "?") for k in gone)
+        names = sorted(before[k] for k in gone)
         log.warning("tokens reloaded: revoked %s; %d connection(s) refused from now on", names, len(doomed))
         return names
-
-    def _known_kids(self) -> set:
-        with self._lock:
-            kids = {k for k in self._kid.values() if k is not None}
-        return kids | {lease.kid for lease in self.leases.leases() if lease.kid is not None}
 
     # ------------------------------------------------------------ the worker's
     def over_quota(self, session: object, nbytes: int, bytes_of: Callable[[object], int]) -> str:

@@ -32,10 +32,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..config import parse_size
+from ..config import TENANT_NAME as NAME, parse_size
 from ..transport.handshake import key_id, token_hash
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _FIELDS = {"token_sha256", "memory_quota", "max_sessions", "requests_per_second", "allow_ops", "operator"}
 
 
@@ -215,6 +214,10 @@ class Tenants:
 
     def names(self) -> list[str]:
         return sorted(t.name for t in self._by_key.values())
+
+    def all(self) -> list[Tenant]:
+        """Every tenant admitted now."""
+        return list(self._by_key.values())
 
     def reload(self) -> list[bytes]:
         """Read the file again; the key ids no longer admitted (their holders' sessions end).

@@ -202,6 +202,10 @@ class Trainables:
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(f"torch.optim.{name} refused its arguments: {exc}") from None
 
+    def optimizer(self, session: object, oid: int) -> torch.optim.Optimizer:
+        """The session's optimizer ``oid``; MissingObjectsError when it holds none by that id."""
+        return self._optim(session, oid)
+
     def _optim(self, session: object, oid: int) -> torch.optim.Optimizer:
         try:
             return self._state(session).optims[oid]

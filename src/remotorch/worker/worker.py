@@ -16,7 +16,6 @@ checks, engines compiled once), argument bindings live in
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from itertools import chain
@@ -25,13 +24,13 @@ from collections.abc import Callable
 import torch
 
 from ..codec.graph import decode_graph, graph_id
-from ..codec import messages as m, possession
+from ..codec import messages as m
 from ..codec.frames import FrameReader
 from ..codec.messages import TensorMeta
 from ..codec.tensors import content_id
 from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsError, QuotaExceededError,
                       UnsupportedGraphError)
-from . import engines, quota
+from . import engines, quota, recall
 from .bindings import Bindings
 from .attention import AttentionChoices
 from .calls import Prepared, Ran, storages
@@ -40,7 +39,7 @@ from .graphs import GraphEntry
 from .rng import Generators
 from .guard import guarded, timed_call
 from .quota import Limits
-from .disk import DiskCache, valid_id
+from .disk import DiskCache
 from .store import SharedStore
 from .timing import MAX_REPEATS, MAX_WARMUPS, TimedRuns, time_runs
 from .handles import HandleStore, count_bytes
@@ -49,6 +48,8 @@ from .outputs import OutputPlan, Send, dispose, grad_slots, zeros
 from .groups import Groups
 from .tenancy import check_namespaces
 from .training import Trainables
+from .roots import Roots
+from .weights import Weights
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,8 @@ class Worker:
     def __init__(self, device: str | torch.device = "auto", *, name: str = "worker",
                  limits: Limits = Limits(), price_per_hour: float = 0.0,
                  engine_names: list[str] | None = None, allow_ops: frozenset[str] = frozenset(),
-                 group_host: str = "127.0.0.1", disk: DiskCache | None = None, cuda_graphs: bool = False) -> None:
+                 group_host: str = "127.0.0.1", disk: DiskCache | None = None, cuda_graphs: bool = False,
+                 roots: Roots | None = None) -> None:
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.name = name
         self.price_per_hour = price_per_hour  # $ per hour of this worker, for cost reports
@@ -99,6 +101,7 @@ class Worker:
         self.attention = AttentionChoices(self.device, limits.max_tensor_bytes)  # kernels torch picks here
         self.cuda_graphs = cuda_graphs  # record every graph as a CUDA graph (``serve --cuda-graphs``)
         self.recordings = CudaGraphs()  # what recording did, counted (worker/cudagraphs.py)
+        self.weights = Weights(self, roots or Roots())  # files its operator lets it read and write
 
     # ------------------------------------------------------------------ sessions
     def _full_graph_id(self, session: object, short: str) -> str:
@@ -152,6 +155,7 @@ class Worker:
                 "resident_bytes": self._tensors.total_bytes + self.state_bytes(),
                 "cached_bytes": self._tensors.orphan_bytes + self._graphs.orphan_bytes,
                 "price_per_hour": self.price_per_hour, "allowed_ops": sorted(self.allow_ops),
+                "weight_roots": self.weights.roots.describe(), "weights_read": self.weights.bytes_read,
                 "disk_cache": {**self.disk.stats(), **engines.cache_counts()} if self.disk else {}}
 
     def memory(self) -> dict:
@@ -256,43 +260,8 @@ class Worker:
 
     # ------------------------------------------------------------ the disk cache
     def have(self, session: object, nonce: bytes, graphs: list, tensors: list) -> tuple[list[str], list[str]]:
-        """Hold for the session what it proves it has (``[id, bytes, proof]``) and the disk cache
-        keeps, checked against its id (tensors read and checked in parallel); the ids now held."""
-        bad = [c[0] for c in (*graphs, *tensors) if not valid_id(c[0])]
-        if bad:
-            raise InvalidRequestError(f"{bad[0][:40]!r} is not a content id (lowercase hex)")
-        got_graphs = []
-        for key, total, claim in graphs:
-            held = self._claim(session, nonce, "graphs", key, total, claim)
-            read = self.disk.read_graph(key) if held is None else None
-            if read is not None:
-                self._store_graph(session, key, *read, total)
-            if held or read is not None:
-                got_graphs.append(key)
-        held = {t[0]: self._claim(session, nonce, "tensors", *t) for t in tensors}
-        todo = [(key, total) for key, total, _ in tensors if held[key] is None]
-        for (key, total), read in zip(todo, self.disk.read_tensors([k for k, _ in todo]) if todo else ()):
-            if read is not None:
-                self._tensors.put(session, key, self.reader([memoryview(read[1])]).tensor(read[0]).to(self.device),
-                                  total)
-                held[key] = True
-        return got_graphs, [key for key, ok in held.items() if ok]
-
-    def _claim(self, session: object, nonce: bytes, kind: str, key: str, total: int, claim: bytes) -> bool | None:
-        """True: the session holds the object now (it did, or it was in memory); False: not kept or not
-        proven (the client uploads it, as without a cache); None: proven, to be read from disk."""
-        store = self._graphs if kind == "graphs" else self._tensors
-        if not store.missing(session, [key]):
-            return True
-        found = self.disk.read_window(kind, key) if self.disk is not None else None
-        if found is None or found[0] != total or not hmac.compare_digest(
-                possession.proof(nonce, key, total, found[1]), bytes(claim)):
-            return False
-        if total > (self.limits.max_graph_bytes if kind == "graphs" else self.limits.max_tensor_bytes):
-            return False
-        self._reserve(session, total)
-        adopted = self._adopt_graph(session, key) if kind == "graphs" else store.adopt(session, key)
-        return True if adopted else None  # still in memory: a graph's engines too
+        """Hold for the session what it proves it has and the disk cache keeps (:func:`recall.have`)."""
+        return recall.have(self, session, nonce, graphs, tensors)
 
     def release_tensors(self, session: object, ids) -> None:
         """Drop this session's hold on uploaded tensors (a superseded version of a buffer)."""

@@ -1,0 +1,80 @@
+"""A ``Run``'s reply, and a ``Runs`` message: eager calls the client queued together (protocol.md §18.4).
+
+One request runs one graph (``Run``) or several in order (``Runs``); both
+answer each run the same way (:func:`run_reply`). A run of a ``Runs`` that
+fails is answered with its ``ErrorReply``, and the runs after it still run
+(each fails on its own if it needs what the failed one was to make), as they
+would have as requests of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+from ..codec import messages as m
+from ..codec.frames import FrameWriter
+from ..errors import InvalidRequestError, MissingObjectsError, RemoteError, RemoteOutOfMemoryError, WorkerError
+from .outputs import Echo
+
+log = logging.getLogger(__name__)
+
+_WIRE = (m.HandleArg, m.KeptArg, m.ScalarArg)  # outputs the worker disposed of (the rest travel inline)
+
+
+def error_of(exc: RemoteError) -> m.ErrorReply:
+    """A typed failure as a reply (missing objects listed, for the client to re-upload)."""
+    if isinstance(exc, MissingObjectsError):
+        return m.ErrorReply(exc.kind, exc.message, exc.remote_traceback, exc.graphs, exc.tensors,
+                            exc.handles, exc.slots, exc.optims, exc.bindings)
+    return m.ErrorReply(exc.kind, exc.message, exc.remote_traceback)
+
+
+def _answer(o, w: FrameWriter):
+    """An output that travels in the reply: kept and echoed, a tensor inline, or a scalar."""
+    return m.EchoArg(o.id, w.meta(o.tensor)) if type(o) is Echo else w.value(o)
+
+
+def run_reply(ran, brief: bool, w: FrameWriter) -> m.RunReply:
+    """The reply to a run: a brief run's says only what the client does not know (values, and
+    outputs not disposed of as planned); another's names every output."""
+    if brief:
+        at = [i for i, o in enumerate(ran.outputs) if not isinstance(o, _WIRE) and o is not None]
+        return m.RunReply([_answer(ran.outputs[i], w) for i in at], ran.ms, ran.compiled, at, ran.rng or [])
+    outputs = [o if isinstance(o, _WIRE) else _answer(o, w) for o in ran.outputs]
+    return m.RunReply(outputs, ran.ms, ran.compiled, rng=ran.rng or [])
+
+
+def serve_runs(worker, session, req: m.Runs, frames: list, send) -> tuple[m.RunsReply, list]:
+    """Run each of ``req.runs`` in order (see the module docstring); the reply and its frames."""
+    n = len(req.runs)
+    counts = req.frames or [0] * n
+    if len(counts) != n or any(c < 0 for c in counts) or sum(counts) != len(frames) \
+            or len(req.housekeeping) not in (0, n):
+        raise InvalidRequestError("a runs message must give each run its frames and housekeeping")
+    w, ms, said, start = FrameWriter(), [], {}, 0
+    for i, run in enumerate(req.runs):
+        own = frames[start:start + counts[i]]
+        start += counts[i]
+        try:
+            if req.housekeeping and req.housekeeping[i] is not None:
+                worker.apply_pending(session, req.housekeeping[i])
+            ran = worker.run(session, run, own, send)
+        except RemoteError as exc:
+            ms.append(0.0)
+            said[i] = error_of(exc)
+            continue
+        except MemoryError as exc:
+            ms.append(0.0)
+            said[i] = error_of(RemoteOutOfMemoryError(f"worker out of host memory: {exc}"))
+            continue
+        except Exception as exc:  # a bug of ours must still be an answer
+            log.exception("unexpected error while running one of several runs")
+            ms.append(0.0)
+            said[i] = error_of(WorkerError(f"{type(exc).__name__}: {exc}", remote_traceback=traceback.format_exc()))
+            continue
+        ms.append(ran.ms)
+        reply = run_reply(ran, run.brief, w)
+        if reply.outputs or reply.compiled or reply.rng or not run.brief:
+            said[i] = reply
+    return m.RunsReply(ms, said), w.frames
