@@ -41,6 +41,12 @@ def record_runs(session) -> list:
     return sent
 
 
+def of_the_model(sent: list) -> list:
+    """The runs of the model's graph among ``sent`` (the first one's; a warm run names it by a prefix of
+    its id), without the eager calls a comparison makes on outputs kept on the worker."""
+    return [r for r in sent if sent[0].graph_id.startswith(r.graph_id)]
+
+
 def logits(compiled, x):
     return compiled(input_ids=x, use_cache=False).logits
 
@@ -52,7 +58,7 @@ def test_gpt2_warm_calls_send_only_the_tokens_and_match_eager(session):
     with torch.no_grad():
         for seed in (1, 2, 3):
             torch.testing.assert_close(logits(compiled, ids(seed)), logits(model, ids(seed)), rtol=0, atol=0)
-    first, *warm = sent
+    first, *warm = of_the_model(sent)
     resident = [a for a in first.args if type(a) is m.RefArg]
     assert first.bind and len(resident) >= 20  # every weight and buffer of the model, by content id
     for run in warm:
@@ -61,7 +67,7 @@ def test_gpt2_warm_calls_send_only_the_tokens_and_match_eager(session):
         assert not any(type(a) is m.RefArg for a in run.args)
     assert len(m.encode(warm[0])) < len(m.encode(first)) - 64 * len(resident)
     stats = session.stats()
-    assert stats["remote_calls"] == 3 and stats["fallbacks"] == 0
+    assert stats["remote_calls"] - stats["eager_ops"] == 3 and stats["fallbacks"] == 0  # (and the comparisons' calls)
 
 
 def test_gpt2_fine_tuned_in_place_between_calls_is_bound_again(session):
@@ -74,8 +80,9 @@ def test_gpt2_fine_tuned_in_place_between_calls_is_bound_again(session):
         model.transformer.h[1].mlp.c_fc.weight.add_(0.5)  # a local update between calls
         torch.testing.assert_close(logits(compiled, x), logits(model, x), rtol=0, atol=0)
         torch.testing.assert_close(logits(compiled, x), logits(model, x), rtol=0, atol=0)
-    assert [bool(r.bound) for r in sent] == [False, True, False, True]
-    assert sent[2].bind == sent[0].bind
+    runs = of_the_model(sent)
+    assert [bool(r.bound) for r in runs] == [False, True, False, True]
+    assert runs[2].bind == runs[0].bind
 
 
 def test_gpt2_with_another_models_weights_loaded_gets_those(session):
@@ -100,6 +107,6 @@ def test_a_fresh_session_binds_again_on_the_same_worker(server, session_for):
                 compiled = remotorch.compile(model, session=session, fallback="raise")
                 sent = record_runs(session)
                 got = [logits(compiled, x) for _ in range(2)]
-            assert [bool(r.bound) for r in sent] == [False, True]
+            assert [bool(r.bound) for r in of_the_model(sent)] == [False, True]
             for out in got:  # read after the block that made them
                 torch.testing.assert_close(out, want, rtol=0, atol=0)

@@ -43,7 +43,7 @@ def first_call(server, model, x, **compile_options):
         with torch.no_grad():
             out = compiled(x)
         out = out.logits if hasattr(out, "logits") else out
-        out = out.clone()  # read here
+        out = out.cpu()  # read here (a clone would be an eager call on the worker)
         return out, s.stats(), s.health()["disk_cache"]
 
 
