@@ -208,6 +208,37 @@ def test_the_trace_shows_eager_calls(s, tmp_path):
     assert {"eager aten.mul.Tensor", "eager aten.add.Tensor", "eager aten.sum.default"} <= names, names
 
 
+def test_eager_calls_traced_in_several_threads_at_once_leave_compiled_calls_working(s):
+    """Each new kind of eager call is traced (FX), and FX's "tracing now" flag is one global each trace
+    saves and restores: traces in threads at once must not leave it set, or every compiled call after
+    them raises ("using FX to symbolically trace a dynamo-optimized function")."""
+    import threading
+
+    import torch.fx._symbolic_trace as fx_trace
+
+    values = kept(s, *[torch.randn(4, n) for n in range(3, 11)])
+    errors_seen: list = []
+
+    def work(offset: int) -> None:
+        try:
+            for i, v in enumerate(values):  # a new layout, a new trace, in each thread
+                (v[:, : (i + offset) % v.shape[1] + 1] * (i + 2)).sum().item()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            errors_seen.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors_seen, errors_seen
+    assert fx_trace._is_fx_tracing_flag is False
+    f = remotorch.compile(lambda a: a * 3, session=s, fallback="raise")
+    x = torch.randn(5)
+    with torch.no_grad():
+        assert torch.equal(torch.as_tensor(f(x).numpy()), x * 3)
+
+
 def test_a_call_on_values_of_two_workers_moves_one_to_the_other(server, start_server, session_for):
     """The call runs where most of its bytes are; the other value moves worker to worker."""
     other = start_server(name="eager-second")

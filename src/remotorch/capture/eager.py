@@ -57,7 +57,18 @@ def compile_op(func, leaves: list, shape, session, conn) -> OpGraph | object:
     ``client.eager`` can run: an :class:`OpGraph` on ``conn``'s worker, :data:`LOCAL` or :data:`PLAIN`.
 
     Raises torch's own error at once when torch refuses the call for its arguments' sizes or types.
+
+    It holds dynamo's compile lock: FX's "tracing now" flag is one global that each trace saves and
+    restores, so two traces in two threads at once (two eager calls, or one and a dynamo compile)
+    could leave it set for good, and every compiled call after that would raise.
     """
+    from torch._dynamo.convert_frame import compile_lock
+
+    with compile_lock:
+        return _compile_op(func, leaves, shape, session, conn)
+
+
+def _compile_op(func, leaves: list, shape, session, conn) -> OpGraph | object:
     first: dict[int, int] = {}  # id(tensor) -> its position among the graph's inputs
     inputs: list[int] = []  # leaf index of each graph input
     for i, leaf in enumerate(leaves):
