@@ -49,6 +49,9 @@ def wan(relay, session_for):
     return session_for(relay.url)
 
 
+STEP_BYTES = 1024 + 256  # a training step's requests beyond its inputs (measured: 1.1-1.3 KiB for this model)
+
+
 def tiny_gpt2(seed: int = 0):
     torch.manual_seed(seed)
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32,
@@ -99,8 +102,9 @@ def test_a_training_step_that_reads_its_loss_waits_once_and_one_that_reads_nothi
     got += [step(batch(i), read=True) for i in range(2, 6)]
     d = delta(wan, before)
     assert d["blocking_reads"] == 4  # exactly one round trip a step: the .item()
-    # what a step sends: its inputs (the tokens, twice: as input and as labels) and about 1 KiB
-    assert d["bytes_sent"] / 4 <= 2 * batch(0).nbytes + 1024, d
+    # what a step sends: its inputs (the tokens, twice: as input and as labels) and about 1 KiB, with the
+    # handles of the saved activations the backward takes (Run.take: about 3 bytes each)
+    assert d["bytes_sent"] / 4 <= 2 * batch(0).nbytes + STEP_BYTES, d
 
     before = wan.stats()
     unread = [step(batch(i), read=False) for i in range(6, 10)]
@@ -132,7 +136,7 @@ def test_a_long_training_run_still_sends_its_inputs_and_about_1_kib_a_step(wan):
     losses = [train_step(f, opt, batch(i)) for i in range(4, 8)]
     d = delta(wan, before)
     assert d["blocking_reads"] == 4 and all(math.isfinite(x) for x in losses)
-    assert d["bytes_sent"] / 4 <= 2 * batch(0).nbytes + 1024, d
+    assert d["bytes_sent"] / 4 <= 2 * batch(0).nbytes + STEP_BYTES, d
 
 
 def test_state_dict_after_queued_steps_waits_once_and_holds_the_stepped_values(wan):

@@ -101,3 +101,13 @@ def test_a_backward_frees_each_saved_activation_after_its_last_use(counting, ret
         else:  # each freed after its last use: at least one per layer before the backward ends
             assert counts == sorted(counts, reverse=True) and counts[-1] <= counts[0] - 6, counts
     assert len(engine.backwards) == 2
+
+
+def test_run_take_is_runs_of_ids_and_bad_runs_are_refused():
+    from remotorch.errors import InvalidRequestError
+    from remotorch.worker.calls import taken
+
+    assert taken([(5, 3), (20, 1)], arguments=4) == [5, 6, 7, 20]
+    for runs in ([(5, 0)], [(5, -2)], [(1, 2, 3)], [(5, 3), (9, 2)]):  # the last: more than 4 arguments
+        with pytest.raises(InvalidRequestError, match="Run.take"):
+            taken(runs, arguments=4)

@@ -124,9 +124,11 @@ class Run(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
     state (the client's); empty, it goes on from the state the session's
     previous random graph left (§17.5).
 
-    ``take``: handles the run takes: the session drops them before the graph
-    runs, so each is freed as soon as the graph has last used it (a backward
-    whose autograd graph is not kept takes its saved activations, §17.1).
+    ``take``: handles the run takes, as ``[first id, count]`` runs of consecutive
+    ids (a backward's saved activations were made together): the session drops
+    them before the graph runs, so each is freed as soon as the graph has last
+    used it (a backward whose autograd graph is not kept takes its saved
+    activations, §17.1).
 
     ``cuda_graphs``: record the graph as a CUDA graph on its second run and
     replay it after (a worker started with ``--cuda-graphs`` does for every
@@ -150,7 +152,7 @@ class Run(msgspec.Struct, frozen=True, tag="run", omit_defaults=True):
     echo: list[int] = []
     brief: bool = False
     rng: bytes = b""
-    take: list[int] = []
+    take: list[tuple[int, int]] = []
     cuda_graphs: bool = False
 
 

@@ -425,5 +425,11 @@ def _taken(graph: Graph, args: Sequence) -> dict:
     (``ctx.maybe_clear_saved_tensors()``), are freed on the worker as the graph last uses each."""
     if graph.kind != "backward" or torch._C._autograd._get_current_graph_task_keep_graph():
         return {}
-    hids = [h for h in map(handle_of, args) if h is not None]
-    return {"take": hids} if hids else {}
+    hids = sorted({h for h in map(handle_of, args) if h is not None})
+    runs: list[list[int]] = []  # [first, count]: the saved activations' ids are mostly consecutive
+    for h in hids:
+        if runs and runs[-1][0] + runs[-1][1] == h:
+            runs[-1][1] += 1
+        else:
+            runs.append([h, 1])
+    return {"take": [tuple(r) for r in runs]} if runs else {}

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidRequestError
+
 
 @dataclass
 class Ran:
@@ -58,3 +60,16 @@ def storages(values: list) -> frozenset[int]:
     """The storages of the tensors among ``values`` (by address): an output at one of them is not a
     fresh tensor (taken before the call, which may free them)."""
     return frozenset(v.untyped_storage().data_ptr() for v in values if isinstance(v, torch.Tensor))
+
+
+def taken(runs: list, arguments: int) -> list[int]:
+    """The handle ids of ``Run.take``'s ``[first, count]`` runs; a run takes at most as many handles as it
+    has arguments (a count past that, or below one, is refused before anything is dropped)."""
+    total = 0
+    for run in runs:
+        if len(run) != 2 or run[1] < 1:
+            raise InvalidRequestError(f"Run.take: {list(run)} is not a [first id, count] run")
+        total += run[1]
+        if total > arguments:
+            raise InvalidRequestError(f"Run.take names more handles than the run's {arguments} argument(s)")
+    return [h for first, count in runs for h in range(first, first + count)]

@@ -33,7 +33,7 @@ from ..errors import (InvalidRequestError, LimitExceededError, MissingObjectsErr
 from . import engines, quota, recall
 from .bindings import Bindings
 from .attention import AttentionChoices
-from .calls import Prepared, Ran, storages
+from .calls import Prepared, Ran, storages, taken
 from .cudagraphs import CudaGraphs
 from .graphs import GraphEntry
 from .rng import Generators
@@ -296,7 +296,7 @@ class Worker:
             self._keep_inputs(session, req.keep_inputs, prep.values)
         inputs = storages(prep.values) if grads else frozenset()  # (before the call frees them)
         if req.take:  # saved activations the run takes: freed as it goes (see worker/calls.py)
-            self.handles.release(session, req.take)
+            self.handles.release(session, taken(req.take, len(prep.values)))
         else:
             prep.again = lambda: self._prepare(session, req.graph_id, req.engine, req.args, frames, 0,
                                                req.bound, req.cuda_graphs).values
