@@ -311,8 +311,8 @@ def cut_once_a_reply_is_held(proxy: DelayProxy, delay_ms: float):
     import threading
     import time
 
+    proxy.set_delay(delay_ms, down_ms=3600e3)  # (then a reply logged from now on is one held)
     proxy.reset_log()
-    proxy.set_delay(delay_ms, down_ms=3600e3)
     lost: list[int] = []
 
     def cut() -> None:

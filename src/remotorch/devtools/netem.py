@@ -148,8 +148,9 @@ class DelayProxy:
     def set_delay(self, delay_ms: float, down_ms: float | None = None) -> None:
         """Change the one-way delay (for chunks that arrive from now on); ``down_ms``: toward the client,
         where it differs (a large one holds the worker's replies in the relay until a :meth:`cut`)."""
-        self.delay_s = delay_ms / 1e3
-        self.down_s = self.delay_s if down_ms is None else down_ms / 1e3
+        with self._lock:  # (a chunk logged after this returns was held with these delays)
+            self.delay_s = delay_ms / 1e3
+            self.down_s = self.delay_s if down_ms is None else down_ms / 1e3
 
     def exchanges(self) -> list[Exchange]:
         """Every burst pair seen so far, over all connections, in order of connection."""
@@ -313,11 +314,11 @@ class DelayProxy:
             if (level, kind) == (socket.SOL_SOCKET, _SO_TIMESTAMPNS):
                 sec, nsec = struct.unpack("ll", note[:struct.calcsize("ll")])
                 arrived -= max(0.0, time.time() - sec - nsec * 1e-9)
-        flow.held.append((arrived + (self.delay_s if flow.up else self.down_s), data))
-        if not data:
-            flow.ended = True
-            return
         with self._lock:
+            flow.held.append((arrived + (self.delay_s if flow.up else self.down_s), data))
+            if not data:
+                flow.ended = True
+                return
             if not link.exchanges or (flow.up and link.exchanges[-1].down):
                 link.exchanges.append(Exchange())
             if flow.up:
