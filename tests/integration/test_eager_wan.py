@@ -2,8 +2,8 @@
 
 Every session here reaches the shared worker through a user-space relay that
 holds each chunk 5 ms in each direction (``remotorch.devtools.netem``). The
-tests count what is deterministic, never time: the round trips the code
-waited for (``stats()["blocking_reads"]``) and the bytes.
+tests count what is deterministic, never time: the values the code read
+(``stats()["reads"]``, each waiting once at most) and the bytes.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def wan(relay, session_for):
 
 def delta(session, before: dict) -> dict:
     now = session.stats()
-    return {k: now[k] - before[k] for k in ("blocking_reads", "bytes_sent", "bytes_received", "values_fetched",
+    return {k: now[k] - before[k] for k in ("reads", "blocking_reads", "bytes_sent", "bytes_received", "values_fetched",
                                              "eager_ops")}
 
 
@@ -78,7 +78,7 @@ def test_ten_queued_training_steps_then_one_logging_read_wait_once(wan):
     losses = [step(i) for i in range(10)]
     mean = torch.stack(losses).mean().item()
     d = delta(wan, before)
-    assert d["blocking_reads"] == 1, d  # exactly one round trip: the .item()
+    assert d["reads"] == 1 and d["blocking_reads"] <= 1, d  # exactly one round trip at most: the .item()
     assert d["eager_ops"] == 2 and d["values_fetched"] == 0, d
     assert mean == pytest.approx(sum(loss.item() for loss in losses) / 10, rel=1e-6)
 
@@ -97,7 +97,7 @@ def test_a_chain_of_200_calls_then_a_scalar_read_waits_once_and_receives_little(
     before = wan.stats()
     got = chain(y).item()
     d = delta(wan, before)
-    assert d["blocking_reads"] == 1, d
+    assert d["reads"] == 1 and d["blocking_reads"] <= 1, d
     assert d["eager_ops"] == 201, d
     assert d["bytes_received"] < 16 << 10, d
     assert got == chain(x).item()
@@ -118,7 +118,7 @@ def test_writes_and_views_then_one_column_read_wait_once_for_the_column(wan):
         t[20:30].mul_(3)
     column = y[:, 3].tolist()
     d = delta(wan, before)
-    assert d["blocking_reads"] == 1, d
+    assert d["reads"] == 1 and d["blocking_reads"] <= 1, d
     assert d["values_fetched"] == 1, d
     # the column's 1 KiB and the replies' headers: not the value's 1 MiB
     assert d["bytes_received"] < y[:, 3].nbytes + 2048, d

@@ -3,8 +3,9 @@
 Every session here reaches the shared worker through a user-space relay that
 holds each chunk 5 ms in each direction (``remotorch.devtools.netem``), as a
 worker in the next rack or another zone would be. The tests count what is
-deterministic, never time: the round trips the code waited for
-(``stats()["blocking_reads"]``), requests and bytes.
+deterministic, never time: the values the code read (``stats()["reads"]``,
+each waiting once at most: ``blocking_reads``, which a loaded machine can
+make smaller, never larger), requests and bytes.
 """
 
 from __future__ import annotations
@@ -75,8 +76,13 @@ def train_step(f, opt, b: torch.Tensor, read: bool = True):
 
 def delta(session, before: dict) -> dict:
     now = session.stats()
-    return {k: now[k] - before[k] for k in ("blocking_reads", "requests_queued", "bytes_sent", "bytes_received",
+    return {k: now[k] - before[k] for k in ("reads", "blocking_reads", "requests_queued", "bytes_sent", "bytes_received",
                                              "remote_calls")}
+
+
+def waited(d: dict, reads: int) -> bool:
+    """``reads`` values read, each waiting once at most (a reply already here, on a loaded machine, none)."""
+    return d["reads"] == reads and d["blocking_reads"] <= reads
 
 
 # ---------------------------------------------------------------- round trips
@@ -101,14 +107,14 @@ def test_a_training_step_that_reads_its_loss_waits_once_and_one_that_reads_nothi
     before = wan.stats()
     got += [step(batch(i), read=True) for i in range(2, 6)]
     d = delta(wan, before)
-    assert d["blocking_reads"] == 4  # exactly one round trip a step: the .item()
+    assert waited(d, 4), d  # exactly one read a step, the .item(): one round trip at most
     # what a step sends: its inputs (the tokens, twice: as input and as labels) and about 1 KiB, with the
     # the runs of saved activations the backward takes (Run.take)
     assert d["bytes_sent"] / 4 <= 2 * batch(0).nbytes + STEP_BYTES, d
 
     before = wan.stats()
     unread = [step(batch(i), read=False) for i in range(6, 10)]
-    assert delta(wan, before)["blocking_reads"] == 0  # nothing read: nothing waited for
+    assert waited(delta(wan, before), 0)  # nothing read: nothing waited for
     got += [loss.item() for loss in unread]  # read afterwards, each is its own step's loss
     assert got == pytest.approx([reference_step(batch(i)) for i in range(10)], rel=1e-4)
     wan.pull(model)  # (AdamW: a tiny gradient's sign decides a whole step, hence the conformance suite's 1e-4)
@@ -135,7 +141,7 @@ def test_a_long_training_run_still_sends_its_inputs_and_about_1_kib_a_step(wan):
     before = wan.stats()
     losses = [train_step(f, opt, batch(i)) for i in range(4, 8)]
     d = delta(wan, before)
-    assert d["blocking_reads"] == 4 and all(math.isfinite(x) for x in losses)
+    assert waited(d, 4) and all(math.isfinite(x) for x in losses), d
     assert d["bytes_sent"] / 4 <= 2 * batch(0).nbytes + STEP_BYTES, d
 
 
@@ -163,9 +169,9 @@ def test_state_dict_after_queued_steps_waits_once_and_holds_the_stepped_values(w
         f(x).backward()
         opt.step()
         opt.zero_grad()
-    assert delta(wan, before)["blocking_reads"] == 0  # three steps queued, none read
+    assert waited(delta(wan, before), 0)  # three steps queued, none read
     state = model.state_dict()  # a read: waits for the steps sent before it, once
-    assert delta(wan, before)["blocking_reads"] == 1
+    assert waited(delta(wan, before), 1)
     for x in xs:
         reference(x).backward()
         ref_opt.step()
@@ -197,7 +203,7 @@ def test_a_function_with_a_data_dependent_branch_waits_for_its_branch_and_its_re
         before = wan.stats()
         for x in xs[2:]:  # both branches taken, repeatedly, equal to eager
             torch.testing.assert_close(f(x, w), branchy(x, w), rtol=0, atol=0)
-    assert delta(wan, before)["blocking_reads"] == 2 * 6  # the branch's read and the result's
+    assert waited(delta(wan, before), 2 * 6)  # the branch's read and the result's
 
 
 def test_a_warm_inference_call_whose_output_is_read_waits_once(wan):
@@ -209,7 +215,7 @@ def test_a_warm_inference_call_whose_output_is_read_waits_once(wan):
         before = wan.stats()
         for _ in range(5):
             assert torch.equal(f(x), model(x))
-    assert delta(wan, before)["blocking_reads"] == 5
+    assert waited(delta(wan, before), 5)
 
 
 def test_a_graph_read_at_once_waits_for_its_reply_and_one_left_unread_is_sent_without_waiting(wan, monkeypatch):
@@ -234,12 +240,12 @@ def test_a_graph_read_at_once_waits_for_its_reply_and_one_left_unread_is_sent_wi
         again = delta(wan, before)
         for i, out in enumerate(outs):
             assert torch.equal(out, model(x * i))
-    assert read["blocking_reads"] == 30
+    assert waited(read, 30), read
     # sent without waiting: the two calls that taught it, then probes 2, 4, 8 and 8 calls apart (calls 4, 8, 16, 24)
     assert read["requests_queued"] == 2 + 4
     # the program changed its habit: calls wait until the next probe, sent without waiting, is not read at once
-    assert unread["blocking_reads"] <= 8 and unread["requests_queued"] >= 12, unread
-    assert again["blocking_reads"] == 0 and again["requests_queued"] == 20, again
+    assert unread["reads"] <= 8 and unread["requests_queued"] >= 12, unread
+    assert waited(again, 0) and again["requests_queued"] == 20, again
 
 
 def test_greedy_generate_waits_once_per_token(wan):
@@ -250,7 +256,7 @@ def test_greedy_generate_waits_once_per_token(wan):
         model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)  # compiles
         before = wan.stats()
         out = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    reads = delta(wan, before)["blocking_reads"]
+    reads = delta(wan, before)["reads"]
     reference = tiny_gpt2(3).eval()
     with torch.no_grad():
         want = reference.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)

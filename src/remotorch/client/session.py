@@ -283,7 +283,7 @@ class Session(GraphRunner):
         request messages sent (``messages_sent``: heartbeats and housekeeping included)."""
         out = dict(remote_calls=0, fallbacks=self._fallbacks, graphs_uploaded=0, tensors_uploaded=0,
                    graphs_recalled=0, tensors_recalled=0, remote_ms=0.0, values_fetched=0, values_moved=0,
-                   bytes_sent=0, bytes_received=0, messages_sent=0, blocking_reads=0, queue_waits=0,
+                   bytes_sent=0, bytes_received=0, messages_sent=0, reads=0, blocking_reads=0, queue_waits=0,
                    requests_queued=0, eager_ops=0)
         for conn in self.pool.opened:
             if not conn.closed:

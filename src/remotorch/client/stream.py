@@ -103,7 +103,9 @@ class Stream:
         self._room_waited = 0.0  # seconds spent waiting for room in the queue, all told
         self.unreported: list[Launched] = []  # failed, and not raised yet
         self.failed_objects: dict[tuple, Launched] = {}  # objects failed calls were to make
-        self.blocking_reads = 0  # waits for the worker on behalf of a read (the round trips code cost)
+        self.reads = 0  # reads of values the worker sends (each costs at most one round trip: it waits for
+        # nothing more than that one reply; fixed by the program alone)
+        self.blocking_reads = 0  # of those, the ones that waited (a reply already here costs none)
         self.queue_waits = 0  # waits because the queue was full
         self.requests_queued = 0  # requests sent without waiting
         self.name = ""  # the worker's, on trace tracks
@@ -215,6 +217,7 @@ class Stream:
             self.wait(launched)
             launched.raise_error()
             return launched.reply, launched.frames
+        self.reads += 1
         self.blocking_reads += 1
         self.acked = seq
         self.pipe.answered(time.perf_counter() - sent_at)
@@ -275,6 +278,7 @@ class Stream:
         if read and launched.on_read is not None:  # at once: nothing sent since, and soon
             on_read, launched.on_read = launched.on_read, None
             on_read(launched.seq == self.seq and time.perf_counter() - launched.sent_at < PROMPT_S)
+        self.reads += read
         if not launched.done:
             if read:
                 self.blocking_reads += 1
@@ -294,6 +298,7 @@ class Stream:
             self.flush()
         if self.before_wait is not None:
             self.before_wait()
+        self.reads += 1
         if self.inflight:
             self.blocking_reads += 1
             started, last = time.perf_counter(), self.inflight[-1]
@@ -445,5 +450,5 @@ class Stream:
 
     # --------------------------------------------------------------- reporting
     def counters(self) -> dict:
-        return dict(blocking_reads=self.blocking_reads, queue_waits=self.queue_waits,
+        return dict(reads=self.reads, blocking_reads=self.blocking_reads, queue_waits=self.queue_waits,
                     requests_queued=self.requests_queued)
