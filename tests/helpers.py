@@ -42,6 +42,23 @@ def tiny_mlp(*sizes: int, act: type[torch.nn.Module] = torch.nn.ReLU, seed: int 
     return torch.nn.Sequential(*layers)
 
 
+def tiny_gpt2(seed: int = 0):
+    """A 2-layer GPT-2 language model (vocabulary 128, width 32, no dropout), initialised after
+    ``torch.manual_seed(seed)``: the training loop of the delay tests."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                     eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def token_batch(seed: int) -> torch.Tensor:
+    """Two rows of 16 token ids for :func:`tiny_gpt2` (never 0, its end of text)."""
+    return torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
 class Probe:
     """``model`` in eval mode and its ``remotorch.compile`` on ``session`` (``fallback="raise"`` unless
     ``options`` say otherwise).

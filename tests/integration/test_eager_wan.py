@@ -15,7 +15,8 @@ import remotorch
 from remotorch.devtools.netem import DelayProxy
 from remotorch.optim import RemoteOptimizer
 
-transformers = pytest.importorskip("transformers")
+from helpers import tiny_gpt2
+from helpers import token_batch as batch
 
 DELAY_MS = 5
 MiB = 1 << 20
@@ -44,18 +45,6 @@ def kept(session, x: torch.Tensor) -> torch.Tensor:
         y = f(x)
     session.synchronize()
     return y
-
-
-def tiny_gpt2(seed: int = 0):
-    torch.manual_seed(seed)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                     eos_token_id=0)
-    return transformers.GPT2LMHeadModel(config)
-
-
-def batch(seed: int) -> torch.Tensor:
-    return torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(seed))
 
 
 def test_ten_queued_training_steps_then_one_logging_read_wait_once(wan):

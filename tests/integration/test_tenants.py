@@ -276,17 +276,20 @@ def test_a_token_revoked_under_load_ends_its_sessions_and_no_one_else_notices(st
         threads.append(threading.Thread(target=client, args=(i, s, compiled, x, want)))
     for t in threads:
         t.start()
-    started.wait(timeout=120)
-    assert wait_until(lambda: all(results[i]["calls"] >= 5 for i in range(8)), timeout=120)  # all at work
-    tokens_file.write_text(table("bob", BOB))
-    os.kill(srv.proc.pid, signal.SIGHUP)
-    assert wait_until(lambda: "tokens reloaded: revoked ['alice']" in srv.stderr_text(), timeout=60)
-    revoked.set()
-    assert wait_until(lambda: all(results[i]["errors"] for i in range(1, 8, 2))  # alice's heard of it,
-                      and all(results[i]["after"] >= 5 for i in range(0, 8, 2)), timeout=120), results  # bob's go on
-    stop.set()
-    for t in threads:
-        t.join(timeout=60)
+    try:
+        started.wait(timeout=120)
+        assert wait_until(lambda: all(results[i]["calls"] >= 5 for i in range(8)), timeout=120), results
+        tokens_file.write_text(table("bob", BOB))
+        os.kill(srv.proc.pid, signal.SIGHUP)
+        assert wait_until(lambda: "tokens reloaded: revoked ['alice']" in srv.stderr_text(), timeout=60)
+        revoked.set()
+        assert wait_until(lambda: all(results[i]["errors"] for i in range(1, 8, 2))  # alice's heard of it,
+                          and all(results[i]["after"] >= 5 for i in range(0, 8, 2)), timeout=120), results
+    finally:  # (bob's go on above; and no client thread outlives the test, whatever failed)
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
     alice = [results[i] for i in range(8) if i % 2]
     bob = [results[i] for i in range(8) if not i % 2]
     for r in alice:

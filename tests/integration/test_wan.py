@@ -25,9 +25,8 @@ from remotorch.devtools.netem import DelayProxy
 from remotorch.optim import RemoteOptimizer
 
 from conftest import TOKEN
-from helpers import tiny_mlp
-
-import transformers  # noqa: E402 (part of the test extra: a missing one fails here rather than skipping)
+from helpers import tiny_gpt2, tiny_mlp
+from helpers import token_batch as batch
 
 DELAY_MS = 5
 
@@ -51,18 +50,6 @@ def wan(relay, session_for):
 
 
 STEP_BYTES = 1024 + 128  # a training step's requests beyond its inputs: about 1 KiB (1049 B measured past 2**16 ids)
-
-
-def tiny_gpt2(seed: int = 0):
-    torch.manual_seed(seed)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                     eos_token_id=0)
-    return transformers.GPT2LMHeadModel(config)
-
-
-def batch(seed: int) -> torch.Tensor:
-    return torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(seed))
 
 
 def train_step(f, opt, b: torch.Tensor, read: bool = True):
