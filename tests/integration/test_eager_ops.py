@@ -233,6 +233,8 @@ def test_eager_calls_traced_in_several_threads_at_once_leave_compiled_calls_work
         t.join()
     assert not errors_seen, errors_seen
     assert fx_trace._is_fx_tracing_flag is False
+    assert not torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PreDispatch)
+    assert torch._ops._len_torch_dispatch_stack_pre_dispatch() == 0  # (no tracer's mode left behind)
     f = remotorch.compile(lambda a: a * 3, session=s, fallback="raise")
     x = torch.randn(5)
     with torch.no_grad():

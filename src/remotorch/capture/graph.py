@@ -18,9 +18,8 @@ from typing import Protocol
 
 import torch
 
-from torch.utils._python_dispatch import _disable_current_modes
-
 from ..client.remote import fetch_all
+from ..client.writes import modes_off
 from ..codec.graph import GraphPayload
 from ..codec.ops import refused
 from ..errors import RemoteError, RemoteFallbackWarning, UnsupportedGraphError
@@ -103,7 +102,7 @@ class RemoteGraph:
             refusal = self._refusal(runner) if self.payload.custom_ops else None
             if refusal is None:
                 if torch._C._len_torch_dispatch_stack():
-                    with _disable_current_modes():
+                    with modes_off():
                         return self._run(runner, args)
                 return self._run(runner, args)
         except RemoteError as exc:
@@ -143,7 +142,7 @@ class RemoteGraph:
             warnings.warn(f"remotorch: graph {self.graph_id[:12] or '(not encodable)'} runs locally "
                           f"({type(exc).__name__}: {short})", RemoteFallbackWarning, stacklevel=3)
         log.debug("local fallback for graph %s", self.graph_id[:12], exc_info=exc)
-        with _disable_current_modes():
+        with modes_off():
             fetch_all(args)  # values still on a worker are read here (a failure to: raised)
         return list(self._local(*args))
 

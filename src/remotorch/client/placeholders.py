@@ -9,11 +9,11 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from ..codec import messages as m
 from ..codec.tensors import dtype_from_name
 from .remote import _EAGER, Connection, RemoteRef, RemoteTensor, Tensor, _dynamo_hooks
+from .writes import modes_off
 from .writes import write as _write
 
 
@@ -60,7 +60,7 @@ def fill(t: RemoteTensor, value: Tensor) -> None:
 def _adopt(t: RemoteTensor, value: Tensor) -> bool:
     """Give ``t`` the storage of ``value`` (same dtype and sizes), as an internal write that bumps no
     version counter; False when it cannot (an inference tensor, another device or dtype...)."""
-    with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass(), torch._C._DisableTorchDispatch():
+    with modes_off(), torch._C.DisableTorchFunctionSubclass(), torch._C._DisableTorchDispatch():
         if t.is_inference() or value.dtype != t.dtype or value.device != t.device or value.shape != t.shape:
             return False
         try:

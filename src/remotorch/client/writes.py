@@ -1,11 +1,46 @@
-"""A received value into a placeholder's own buffer, as an internal write (no version bump)."""
+"""A received value into a placeholder's own buffer, as an internal write (no version bump); and
+:func:`modes_off`, this thread's dispatch modes set aside (another thread's left as they are)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
-from torch._ops import _len_torch_dispatch_stack_pre_dispatch as _len_pre_dispatch
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes, _pop_mode, _push_mode
+
+_PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
+
+
+def _pre_dispatch_here() -> bool:
+    """Whether this thread dispatches through torch's pre-dispatch modes (it is tracing with them)."""
+    return torch._C._dispatch_tls_is_dispatch_key_included(_PRE_DISPATCH)
+
+
+@contextlib.contextmanager
+def modes_off():
+    """This thread's torch dispatch modes set aside for the block (a fake tensor mode, a tracer's).
+
+    torch's ``_disable_current_modes`` also pops the pre-dispatch modes, which
+    are one stack for the whole process, and pushes them back on exit, which
+    marks *this* thread as dispatching through them. Run in a thread that is
+    not tracing while another traces before dispatch (an eager call's first
+    trace, :mod:`remotorch.capture.eager`), it takes that trace's mode away
+    for a moment and leaves this thread routed to whatever pre-dispatch mode
+    comes next, for good (later ops of this thread then meet another thread's
+    tracer). Here a thread that is not tracing before dispatch pops only its
+    own modes.
+    """
+    if _pre_dispatch_here():
+        with _disable_current_modes():
+            yield
+        return
+    old = [_pop_mode() for _ in range(torch._C._len_torch_dispatch_stack())]
+    try:
+        yield
+    finally:
+        for mode in reversed(old):
+            _push_mode(mode)
 
 
 def write(t: Tensor, value: Tensor) -> None:
@@ -14,7 +49,7 @@ def write(t: Tensor, value: Tensor) -> None:
     ``torch.inference_mode`` is an inference tensor: written in that mode (it has no counter)."""
     if 0 in t.stride():  # an expanded layout (an expand's output): each memory location once
         t, value = _unexpanded(t, value)
-    if not torch._C._len_torch_dispatch_stack() and not _len_pre_dispatch():
+    if not torch._C._len_torch_dispatch_stack() and not _pre_dispatch_here():
         # the common case, without the context managers (their Python costs more than the copy)
         with torch._C.DisableTorchFunctionSubclass(), torch._C._DisableTorchDispatch():  # (RemoteGrad's)
             if not t.is_inference():
@@ -26,7 +61,7 @@ def write(t: Tensor, value: Tensor) -> None:
                     torch._C._set_grad_enabled(grad)
                     torch._C._autograd._unsafe_set_version_counter((t,), (version,))
                 return
-    with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass(), torch._C._DisableTorchDispatch():
+    with modes_off(), torch._C.DisableTorchFunctionSubclass(), torch._C._DisableTorchDispatch():
         if t.is_inference():
             with torch.inference_mode():
                 t.copy_(value)
