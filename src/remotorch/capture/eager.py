@@ -161,9 +161,17 @@ def _like(t: torch.Tensor, device) -> torch.Tensor:
 def _trace(func, leaves: list, shape, where: list[int], fakes: list, seen: dict,
            tracing_mode: str, pre_dispatch: bool) -> torch.fx.GraphModule:
     """``make_fx`` of the call on ``fakes``; fills ``seen`` with what the call did (see compile_op)."""
+    import torch.fx._symbolic_trace as fx_trace
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def fn(*ts):
+        # FX's "tracing now" flag is one for the whole process, and dynamo reads it at every call of a
+        # compiled function: set, a compiled call in another thread would raise "using FX to
+        # symbolically trace a dynamo-optimized function" while this trace runs (pytorch#126024). The
+        # call traced here is one torch operator on fake tensors, with no compiled function in it:
+        # the flag is put down for it, as torch's own higher-order operators do while they compile
+        # (its trace puts it back as it found it).
+        fx_trace._is_fx_tracing_flag = False
         values = [ts[w] if w >= 0 else leaf for leaf, w in zip(leaves, where)]
         args, kwargs = unflatten(values, shape)
         before = [(t._version, tuple(t.shape), t.stride()) for t in ts]
