@@ -58,9 +58,9 @@ def compile_op(func, leaves: list, shape, session, conn) -> OpGraph | object:
 
     Raises torch's own error at once when torch refuses the call for its arguments' sizes or types.
 
-    It holds dynamo's compile lock: FX's "tracing now" flag is one global that each trace saves and
-    restores, so two traces in two threads at once (two eager calls, or one and a dynamo compile)
-    could leave it set for good, and every compiled call after that would raise.
+    It holds dynamo's compile lock: make_fx keeps process-wide state (its current tracer, torch's
+    pre-dispatch modes, FX's "tracing now" flag) that each trace saves and restores, so two traces in
+    two threads at once (two eager calls, or one and a dynamo compile) could leave it set for good.
     """
     from torch._dynamo.convert_frame import compile_lock
 
@@ -161,17 +161,10 @@ def _like(t: torch.Tensor, device) -> torch.Tensor:
 def _trace(func, leaves: list, shape, where: list[int], fakes: list, seen: dict,
            tracing_mode: str, pre_dispatch: bool) -> torch.fx.GraphModule:
     """``make_fx`` of the call on ``fakes``; fills ``seen`` with what the call did (see compile_op)."""
-    import torch.fx._symbolic_trace as fx_trace
+    from torch.fx.experimental import proxy_tensor
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def fn(*ts):
-        # FX's "tracing now" flag is one for the whole process, and dynamo reads it at every call of a
-        # compiled function: set, a compiled call in another thread would raise "using FX to
-        # symbolically trace a dynamo-optimized function" while this trace runs (pytorch#126024). The
-        # call traced here is one torch operator on fake tensors, with no compiled function in it:
-        # the flag is put down for it, as torch's own higher-order operators do while they compile
-        # (its trace puts it back as it found it).
-        fx_trace._is_fx_tracing_flag = False
         values = [ts[w] if w >= 0 else leaf for leaf, w in zip(leaves, where)]
         args, kwargs = unflatten(values, shape)
         before = [(t._version, tuple(t.shape), t.stride()) for t in ts]
@@ -199,10 +192,52 @@ def _trace(func, leaves: list, shape, where: list[int], fakes: list, seen: dict,
         seen.update(template=template, spec=spec, fresh=fresh)
         return fresh
 
-    with torch._C.DisableTorchFunctionSubclass():
-        gm = make_fx(fn, tracing_mode=tracing_mode, pre_dispatch=pre_dispatch)(*fakes)
+    tracer = proxy_tensor.PythonKeyTracer
+    proxy_tensor.PythonKeyTracer = _quiet_tracer() or tracer  # (compile_op holds dynamo's compile lock: no
+    try:  # other trace of remotorch's or dynamo's runs meanwhile)
+        with torch._C.DisableTorchFunctionSubclass():
+            gm = make_fx(fn, tracing_mode=tracing_mode, pre_dispatch=pre_dispatch)(*fakes)
+    finally:
+        proxy_tensor.PythonKeyTracer = tracer
     seen["ops"] = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     return gm
+
+
+_QUIET: list[type | None] = []
+
+
+def _quiet_tracer() -> type | None:
+    """make_fx's tracer, whose ``trace`` keeps FX's "tracing now" flag to itself.
+
+    That flag is one global of ``torch.fx._symbolic_trace``, and dynamo reads
+    it at every call of a compiled function: while it is set, a compiled call
+    in any thread raises "using FX to symbolically trace a dynamo-optimized
+    function" (pytorch#126024). An eager call is traced in the thread that
+    makes it, the first time its kind is seen, so a program whose other
+    threads call compiled models meanwhile would fail. This tracer runs FX's
+    own ``Tracer.trace`` with a copy of that module's globals: the flag it sets
+    and puts back is the copy's. (The call traced is one torch operator on fake
+    tensors, with no compiled function in it: nothing here needs the flag.)
+    """
+    if not _QUIET:
+        import inspect
+        import types
+
+        from torch.fx import _symbolic_trace
+        from torch.fx.experimental import proxy_tensor
+
+        trace = inspect.unwrap(_symbolic_trace.Tracer.trace)  # (dynamo wraps it, once imported, to stay out)
+        if trace.__globals__ is not vars(_symbolic_trace):  # another torch's: FX's own tracer, flag and all
+            log.warning("eager calls are traced with FX's own tracer: compiled calls in other threads "
+                        "may raise while one is (pytorch#126024)")
+            _QUIET.append(None)
+            return None
+        quiet = types.FunctionType(trace.__code__, dict(vars(_symbolic_trace)), trace.__name__, trace.__defaults__,
+                                   trace.__closure__)
+        quiet.__kwdefaults__, quiet.__qualname__ = trace.__kwdefaults__, trace.__qualname__
+        quiet = torch._disable_dynamo(quiet)  # (as torch wraps FX's own)
+        _QUIET.append(type("EagerCallTracer", (proxy_tensor.PythonKeyTracer,), {"trace": quiet}))
+    return _QUIET[0]
 
 
 def _fake_only(exc: BaseException) -> bool:
