@@ -21,21 +21,18 @@ An optimizer step is never applied twice. A worker that lost the session
 (it restarted, or the lease ran out) fails every request in flight, naming
 each.
 
-Errors arrive late but exactly. A failed request marks itself failed; a read
-of anything it was to make raises its error, naming what failed and the
-Python line that issued it (:mod:`remotorch.client.origin`); a later request
-that failed only because it used what the failed one was to make raises the
-first one's error (the root). A failure nobody read is raised at the next
-:meth:`Stream.sync` (``session.synchronize()``, ``close()``), and, for
-requests that make no value (an optimizer step, an upload), at the next read
-on the stream. Once raised, an error is not raised again by sync: the
-session goes on working.
+Errors arrive late but exactly. A read of anything a failed request was to
+make raises its error, naming what failed and the Python line that issued it
+(:mod:`remotorch.client.origin`); a request that failed only because it used
+that raises the first one's error (the root). A failure nobody read is raised
+at the next :meth:`Stream.sync` (``session.synchronize()``, ``close()``), and,
+for requests that make no value (an optimizer step, an upload), at the next
+read on the stream. Once raised, it is not raised again: the session goes on.
 
-The queue is bounded (:class:`QueueLimits`): requests and bytes in flight,
-and optimizer steps ahead of the worker (beyond those the link holds). Replies
-need no bound: the transport reads those that come while it writes a request.
-``blocking=True`` (``REMOTORCH_LAUNCH_BLOCKING=1``) waits for every reply at
-once, as ``CUDA_LAUNCH_BLOCKING`` does.
+The queue is bounded (:class:`QueueLimits`): requests and bytes in flight, and
+optimizer steps ahead of the worker (beyond those the link holds); replies are
+read while a request is written. ``blocking=True`` (``REMOTORCH_LAUNCH_BLOCKING=1``)
+waits for every reply at once, as ``CUDA_LAUNCH_BLOCKING`` does.
 """
 
 from __future__ import annotations
@@ -103,8 +100,7 @@ class Stream:
         self._room_waited = 0.0  # seconds spent waiting for room in the queue, all told
         self.unreported: list[Launched] = []  # failed, and not raised yet
         self.failed_objects: dict[tuple, Launched] = {}  # objects failed calls were to make
-        self.reads = 0  # reads of values the worker sends (each costs at most one round trip: it waits for
-        # nothing more than that one reply; fixed by the program alone)
+        self.reads = 0  # values read from the worker, one round trip at most each (fixed by the program)
         self.blocking_reads = 0  # of those, the ones that waited (a reply already here costs none)
         self.queue_waits = 0  # waits because the queue was full
         self.requests_queued = 0  # requests sent without waiting
