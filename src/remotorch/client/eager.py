@@ -43,6 +43,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_unflatten
 
+from .prepared import prepare
 from .remote import REMOTE, RemoteTensor, Tensor, _call_plain, _lazy_view
 
 LOCAL = "local"  # read the remote arguments and run the call here
@@ -72,13 +73,14 @@ class OpGraph:
     the leaves it writes into.
     """
 
-    __slots__ = ("run", "inputs", "template", "spec", "mutated", "name", "single")
+    __slots__ = ("run", "inputs", "template", "spec", "mutated", "name", "single", "prepared")
 
     def __init__(self, run: Callable[[list], list], inputs: list[int], template: list, spec, mutated: list[int],
                  name: str) -> None:
         self.run, self.inputs, self.template, self.spec, self.mutated, self.name = (
             run, inputs, template, spec, mutated, name)
         self.single = template[0] if spec.is_leaf() and len(template) == 1 else None
+        self.prepared = None  # its run prepared on its connection (client.prepared; False: it cannot be)
 
     def result(self, outs: list, leaves: list):
         """The call's result: its outputs, arguments and constants where the call's result has them."""
@@ -95,11 +97,21 @@ class OpGraph:
 def flatten(args: tuple, kwargs: dict) -> tuple[list, tuple]:
     """The call's arguments as leaves and a shape (hashable) that :func:`unflatten` rebuilds them from;
     only lists, tuples and dicts are containers."""
+    if not kwargs and len(args) < len(_FLAT):
+        for a in args:
+            kind = type(a)
+            if kind is list or kind is tuple or kind is dict:
+                break
+        else:  # (most calls: no containers, no keywords)
+            return list(args), _FLAT[len(args)]
     leaves: list = []
     shape = tuple(_flat(a, leaves) for a in args)
     if kwargs:
         return leaves, (shape, tuple(kwargs), tuple(_flat(v, leaves) for v in kwargs.values()))
     return leaves, (shape, (), ())
+
+
+_FLAT = [((None,) * n, (), ()) for n in range(8)]  # the shape of n arguments, none a container
 
 
 def _flat(v, leaves: list):
@@ -136,14 +148,15 @@ def _signature(leaves: list) -> tuple[tuple | None, int]:
     remote = 0
     with torch._C.DisableTorchFunctionSubclass():
         for i, a in enumerate(leaves):
-            if isinstance(a, Tensor):
-                # (where it is does not matter: a local tensor travels as an input of the same graph)
-                out.append((a.dtype, a.shape, a.stride(), a.requires_grad, a.device, tensors.setdefault(id(a), i)))
-                remote += type(a) in REMOTE and "_rt_ref" in a.__dict__
-                continue
             kind = type(a)
             if kind is float:
                 out.append(a.hex())  # (-0.0 is not 0.0; nan is nan)
+            elif kind is RemoteTensor or isinstance(a, Tensor):
+                # (where it is does not matter: a local tensor travels as an input of the same graph)
+                out.append((a.dtype, a.shape, a.stride(), a.requires_grad, a.device, tensors.setdefault(id(a), i)))
+                remote += kind in REMOTE and "_rt_ref" in a.__dict__
+            elif kind is int or kind is bool:
+                out.append((kind, a))
             elif kind is slice:
                 out.append((slice, a.start, a.stop, a.step))
             elif kind is complex:
@@ -191,7 +204,8 @@ def on_op(func, args: tuple, kwargs: dict, pending: list):
 def _queued(func, args: tuple, kwargs: dict, pending: list):
     """The call as a view of a kept value, or sent to a worker (see the module docstring); or
     NotImplemented."""
-    if not all(p.__dict__["_rt_ref"].handle for p in pending):
+    if not (pending[0].__dict__["_rt_ref"].handle if len(pending) == 1 else
+            all(p.__dict__["_rt_ref"].handle for p in pending)):
         for p in pending:  # a value its call's reply brings (Python read it before): wait for it
             ref = p.__dict__.get("_rt_ref")
             if ref is not None and not ref.handle:
@@ -229,11 +243,17 @@ def _queued(func, args: tuple, kwargs: dict, pending: list):
         return _call_plain(func, args, kwargs)
     for i in entry.mutated:
         _written(leaves[i].__dict__["_rt_ref"])
-    _state.busy = True
-    try:
-        outs = entry.run([leaves[i] for i in entry.inputs])
-    finally:
-        _state.busy = False
+    tensors = [leaves[i] for i in entry.inputs]
+    prepared = entry.prepared
+    outs = prepared(tensors) if prepared else None
+    if outs is None:  # the long way (once prepared, only when something the prepared run skips has a say)
+        _state.busy = True
+        try:
+            outs = entry.run(tensors)
+        finally:
+            _state.busy = False
+        if prepared is None or (prepared and prepared.stale):
+            entry.prepared = prepare(conn, entry.run, tensors)
     for i in entry.mutated:
         torch.autograd.graph.increment_version(leaves[i])
     conn.stats.eager_ops += 1

@@ -23,8 +23,10 @@ class HandleTable:
         self._lock = threading.Lock()
         self._released: deque[int] = deque()
         self._live: set[int] = set()  # handles the worker holds for us now
-        # values standing here for handles (client.remote.RemoteRef), while something holds them
-        self._values: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # handle id -> weakly, the value standing here for it (client.remote.RemoteRef), until released
+        # (a plain dict: the value's death releases its handle, which drops the entry; a third of what
+        # a WeakValueDictionary costs, at one per eager call)
+        self._values: dict[int, weakref.ref] = {}
         self._stand_ins: dict[weakref.ref, int] = {}  # weak reference to a stand-in -> its handle id
 
     def reserve(self, n: int) -> int:
@@ -56,22 +58,28 @@ class HandleTable:
             self.release(hid)
 
     def release(self, hid: int) -> None:
-        """The worker may drop ``hid`` (safe from garbage collection, on any thread: set and deque ops only)."""
+        """The worker may drop ``hid`` (safe from garbage collection, on any thread: set, dict and deque ops only)."""
         self._live.discard(hid)
+        self._values.pop(hid, None)
         self._released.append(hid)
 
     def track(self, value) -> None:
         """Remember a local stand-in for handle ``value.handle`` while it lives (see :meth:`values`)."""
-        self._values[value.handle] = value
+        self._values[value.handle] = weakref.ref(value)
 
     def values(self) -> list:
         """The stand-ins of handles still held here (to fetch them all before the session ends)."""
-        return list(self._values.values())
+        return [v for v in map(weakref.ref.__call__, list(self._values.values())) if v is not None]
 
     @property
     def live(self) -> int:
         """Handles the worker holds for us now."""
         return len(self._live)
+
+    @property
+    def releasing(self) -> int:
+        """Ids released and not taken yet."""
+        return len(self._released)
 
     def take_released(self) -> list[int]:
         """Ids released since the last call (to piggy-back on the next request)."""

@@ -55,7 +55,7 @@ class Plan:
     """
 
     def __init__(self, conn, graph: Graph, layout: list, keep: Sequence[int], *, echo: Sequence[int] = (),
-                 saved: Saved | None = None, grads: Sequence[int] = ()) -> None:
+                 saved: Saved | None = None, grads: Sequence[int] = (), base: int | None = None) -> None:
         self.conn, self.graph, self.layout = conn, graph, layout
         saved_from = graph.saved_from if saved is not None and graph.saved_from is not None else len(layout)
         self.saved = [i for i in range(saved_from, len(layout)) if _is_tensor(layout[i])]
@@ -64,10 +64,16 @@ class Plan:
         echoed = set(echo)
         self.echo = [i for i in self.keep if i in echoed]
         n = len(self.saved) + len(self.keep)
-        self.base = conn.handles.reserve(n) if n else 0
+        if base is None:  # (given: the handles were reserved already, as client.prepared does)
+            base = conn.handles.reserve(n) if n else 0
+        self.base = base
         self.ids = {i: self.base + j for j, i in enumerate([*self.saved, *self.keep])}
         self._saved = saved
         self._made: dict[int, weakref.ref] = {}  # output index -> its placeholder (weakly)
+
+    def adopt(self, made: dict[int, weakref.ref]) -> None:
+        """Take placeholders made elsewhere for this plan's outputs (output index -> weakly)."""
+        self._made = made
 
     def strides(self) -> list[list[int]]:
         """The strides promised for each kept output, in ``keep`` order (the worker makes them so;

@@ -2,7 +2,7 @@
 
 A request sent without waiting fails later than the line that sent it; its
 error names that line, as Monarch's controller keeps each message's issuing
-stack. Taking it costs a walk up the stack keeping (code, line) pairs, no
+stack. Taking it costs a walk up the stack keeping (code, instruction) pairs, no
 formatting and no frame objects (which would keep every local alive); the
 text is made only when an error is raised.
 
@@ -39,50 +39,69 @@ def _installed() -> tuple[str, ...]:
 
 _LIBRARIES = _installed()
 
-Origin = tuple[tuple[object, int], ...]
+Origin = tuple[tuple[object, int], ...]  # (code, the frame's f_lasti) pairs: see line_of
 
 
 _SKIPPED, _LIBRARY, _USER = 0, 1, 2
-_kinds: dict[object, int] = {}  # code object -> which of the three its file is (a walk costs lookups only)
+# file name -> which of the three it is (a walk costs lookups only). By file name, not by code object:
+# a str caches its hash, where hashing a code object hashes its whole bytecode and constants each time
+_kinds: dict[str, int] = {}
 
 
-def _kind(code) -> int:
-    name = code.co_filename
+def _kind(name: str) -> int:
     kind = _SKIPPED if name.startswith(_SKIP) or name.startswith("<") else (
         _LIBRARY if name.startswith(_LIBRARIES) else _USER)
     if len(_kinds) < 100_000:  # (generated code could make them without end)
-        _kinds[code] = kind
+        _kinds[name] = kind
     return kind
 
 
-def here() -> Origin:
-    """(the user's innermost frame, and the innermost frame outside remotorch and torch if it is another)."""
-    f = sys._getframe(1)
+def here(depth: int = 1) -> Origin:
+    """(the user's innermost frame, and the innermost frame outside remotorch and torch if it is another).
+
+    ``depth``: the first frame that may be outside remotorch (1: the caller's). Frames below it are
+    not looked at, so Python need not make objects of them (each costs microseconds: a frame object
+    is made only when asked for, and then each return of its function copies it).
+    """
+    f = sys._getframe(depth)
     inner = None
     kinds = _kinds
     while f is not None:
         code = f.f_code
-        kind = kinds.get(code)
+        kind = kinds.get(code.co_filename)
         if kind is None:
-            kind = _kind(code)
+            kind = _kind(code.co_filename)
         if kind:
             if kind == _USER:
-                return ((code, f.f_lineno),) if inner is None else ((code, f.f_lineno), inner)
+                return ((code, f.f_lasti),) if inner is None else ((code, f.f_lasti), inner)
             if inner is None:
-                inner = (code, f.f_lineno)
+                inner = (code, f.f_lasti)
         f = f.f_back
     return () if inner is None else (inner,)
+
+
+def line_of(code, lasti: int) -> int | None:
+    """The line of the instruction at byte offset ``lasti`` of ``code`` (a frame's ``f_lasti``).
+
+    Frames are kept as (code, instruction) and turned into lines only here,
+    when an error or a trace needs the text: ``f_lineno`` decodes the code's
+    line table from its start, which costs microseconds in a long function.
+    """
+    for start, end, line in code.co_lines():
+        if start <= lasti < end:
+            return line
+    return None
 
 
 def describe(origin: Origin) -> str:
     """``file:line in function`` of the user's frame (and, in parentheses, the library frame inside it)."""
     if not origin:
         return "(issued inside remotorch)"
-    code, line = origin[0]
-    text = f"{code.co_filename}:{line} in {code.co_name}"
+    code, lasti = origin[0]
+    text = f"{code.co_filename}:{line_of(code, lasti)} in {code.co_name}"
     if len(origin) > 1:
-        inner, inner_line = origin[1]
-        text += f" (in {inner.co_filename}:{inner_line} in {inner.co_name})"
+        inner, inner_lasti = origin[1]
+        text += f" (in {inner.co_filename}:{line_of(inner, inner_lasti)} in {inner.co_name})"
     return text
 
 
@@ -90,5 +109,5 @@ def first_line(origin: Origin) -> str:
     """``file:line`` of the user's frame (for trace events and short lists)."""
     if not origin:
         return ""
-    code, line = origin[0]
-    return f"{code.co_filename}:{line}"
+    code, lasti = origin[0]
+    return f"{code.co_filename}:{line_of(code, lasti)}"

@@ -131,7 +131,9 @@ _SKIPPED_DIRS = tuple({os.path.dirname(torch.__file__) + os.sep,
 _RESUME = ("torch_dynamo_resume_in_", "__resume_at_")
 
 
-_USER_CODE: dict = {}  # code object -> whether its frames are the user's (cached: frames are many)
+# (file, function) -> whether its frames are the user's (cached: frames are many). Not by code object:
+# hashing one hashes its whole bytecode and constants, each time
+_USER_CODE: dict = {}
 
 
 def call_scope():
@@ -145,12 +147,13 @@ def call_scope():
     f = sys._getframe(1)
     known = _USER_CODE.get
     while f is not None:
-        user = known(f.f_code)
+        code = f.f_code
+        key = (code.co_filename, code.co_name)
+        user = known(key)
         if user:
             return f
         if user is None:
-            code = f.f_code
-            if _USER_CODE.setdefault(code, not code.co_filename.startswith(_SKIPPED_DIRS)
+            if _USER_CODE.setdefault(key, not code.co_filename.startswith(_SKIPPED_DIRS)
                                      and not code.co_name.startswith(_RESUME)):
                 return f
         f = f.f_back
