@@ -44,6 +44,7 @@ from .remote import RemoteRef, RemoteTensor
 
 # here: this call <- client.eager's _queued <- on_op <- client.remote's _eager <- __torch_function__ <- the caller
 _CALLER = 6
+_CPU = torch.device("cpu")
 _RELEASES = 16  # handles released that ride on the next call (fewer wait for the next request)
 _HandleArg, _ViewArg, _Run, _compact = m.HandleArg, m.ViewArg, m.Run, m.compact
 _empty, _subclass, _weak = torch.empty_strided, torch.Tensor._make_subclass, weakref.ref
@@ -103,7 +104,7 @@ class PreparedRun:
         self.tensors = [i for i in range(len(layout)) if i in plan.ids]  # the outputs made placeholders
         # each output: (True, its handle's offset, sizes, strides, dtype, device), or (False, its value)
         self.outs = [(True, plan.ids[i] - 1, tuple(spec.shape), tuple(spec.strides), spec.dtype,
-                      device if device is not None else "cpu") if i in plan.ids else (False, spec)
+                      device if device is not None else _CPU) if i in plan.ids else (False, spec)
                      for i, (spec, device) in enumerate(zip(layout, graph.output_devices))]
 
     @property
