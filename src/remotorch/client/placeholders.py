@@ -24,18 +24,24 @@ def placeholder(conn: Connection, kept: m.KeptArg, device: torch.device | None, 
     ``kept.id`` 0: a value the reply of ``launched`` brings (it fills the
     placeholder then). ``cls``: :class:`RemoteGrad` for a backward's outputs.
     """
+    return stand_in(conn, kept.id, kept.shape, kept.strides, dtype or dtype_from_name(kept.dtype),
+                    device if device is not None else _CPU, policy, index, launched, cls or RemoteTensor)
+
+
+def stand_in(conn: Connection, hid: int, shape, strides, dtype: torch.dtype, device: torch.device, policy,
+             index: int, launched, cls: type = RemoteTensor) -> RemoteTensor:
+    """:func:`placeholder` from the layout itself (a prepared run's: :mod:`remotorch.client.prepared`)."""
     if not _EAGER:
         _dynamo_hooks()
-    buf = torch.empty_strided(kept.shape, kept.strides, dtype=dtype or dtype_from_name(kept.dtype),
-                              device=device if device is not None else "cpu")
-    t = torch.Tensor._make_subclass(cls or RemoteTensor, buf, False)
-    ref = t._rt_ref = RemoteRef(kept.id, conn, policy, index, launched)
+    t = torch.Tensor._make_subclass(cls, torch.empty_strided(shape, strides, dtype=dtype, device=device), False)
+    ref = t._rt_ref = RemoteRef(hid, conn, policy, index, launched)
     ref.root = weakref.ref(t)
-    if kept.id:
+    if hid:
         conn.handles.track(ref)
     return t
 
 
+_CPU = torch.device("cpu")
 _ADOPT_BYTES = 1 << 16  # below it a copy costs less than taking over the buffer
 
 

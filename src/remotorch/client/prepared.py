@@ -31,7 +31,6 @@ active trace, or a read policy that now waits or sends an output back.
 from __future__ import annotations
 
 import time
-import weakref
 
 import torch
 
@@ -39,15 +38,15 @@ from ..codec import messages as m
 from . import origin, trace
 from .launch import Plan, launchable, nbytes
 from .launched import Launched
+from .placeholders import stand_in
 from .policy import PROMPT_CALLS
-from .remote import RemoteRef, RemoteTensor
+from .remote import RemoteTensor
 
 # here: this call <- client.eager's _queued <- on_op <- client.remote's _eager <- __torch_function__ <- the caller
 _CALLER = 6
 _CPU = torch.device("cpu")
 _RELEASES = 16  # handles released that ride on the next call (fewer wait for the next request)
 _HandleArg, _ViewArg, _Run, _compact = m.HandleArg, m.ViewArg, m.Run, m.compact
-_empty, _subclass, _weak = torch.empty_strided, torch.Tensor._make_subclass, weakref.ref
 
 
 class _Call(Launched):
@@ -143,12 +142,9 @@ class PreparedRun:
                     outs.append(out[1])
                     continue
                 hid = base + out[1]
-                ph = _subclass(RemoteTensor, _empty(out[2], out[3], dtype=out[4], device=out[5]), False)
-                ref = ph._rt_ref = RemoteRef(hid, conn, policy, i, call)
-                ref.root = root = _weak(ph)
                 handles.seen(hid)
-                handles.track(ref)
-                made.append(root)
+                ph = stand_in(conn, hid, out[2], out[3], out[4], out[5], policy, i, call)
+                made.append(ph._rt_ref.root)
                 outs.append(ph)
             # housekeeping rides on this call when enough is due: each handle released before it is one no
             # call from this one on names (a call queued earlier that does is before it, in order)
