@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from .. import errors
 from ..codec import messages as m
 from . import origin, trace
 from .launch import Plan, launchable, nbytes
@@ -158,8 +159,6 @@ class PreparedRun:
     def failed(self, exc) -> None:
         """The call failed on the worker (raised at its read); objects the worker forgot are uploaded
         again by the next call, which waits for its reply (the long way)."""
-        from .. import errors
-
         if isinstance(exc, errors.MissingObjectsError):
             self.conn.uploads.forget(exc)
             self.policy.ran = False
