@@ -12,7 +12,12 @@ with one read. Printed, for the same loop in the same process:
   the long way every call took before its run was prepared
   (``remotorch.client.prepared``), measured in the same run;
 * bytes sent and received per call (a call's request and its reply), and the
-  round trips waited for (one: the read).
+  round trips waited for (one: the read);
+* what one such call costs the worker: the same calls as the client sends
+  them (``Run`` messages of 16, each after the housekeeping that rides on
+  it), handled by a worker's service in this process, without sockets: its
+  CPU time per call, the engine call within it, and torch's own op on a
+  local tensor.
 
     python benchmarks/eager_ops.py [--ops 2000] [--numel 64] [--transport tcp|unix]
 """
@@ -52,6 +57,53 @@ def cpu_s(fn) -> tuple[float, float]:
         return time.process_time() - c, time.perf_counter() - w
     finally:
         gc.enable()
+
+
+def worker_cost(numel: int, repeats: int, batches: int = 100, batch: int = 16) -> tuple[float, float, float]:
+    """(worker CPU seconds per eager call, the engine call's seconds within it, torch's op's seconds):
+    ``x * 1.0001`` on a kept value of ``numel`` elements, ``batch`` calls a ``Runs`` message as the client
+    queues them (each value released by the call after the next, as a chain's are), handled by a
+    :class:`~remotorch.worker.service.Service` in this process; the least of ``repeats`` series."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from remotorch.codec import messages as m
+    from remotorch.codec.frames import FrameWriter
+    from remotorch.codec.graph import encode_graph
+    from remotorch.worker.service import Service
+    from remotorch.worker.worker import Worker
+
+    service, x = Service(Worker("cpu", name="eager-bench")), torch.randn(numel)
+    state = {"seq": 1, "h": 1}
+
+    def ask(body, frames=()):
+        header, _ = service.handle(1, m.encode(body, None, seq=state["seq"]), list(frames))
+        state["seq"] += 1
+        return m.decode(header)
+
+    payload = encode_graph(make_fx(lambda v: v * 1.0001)(x))
+    assert type(ask(m.PutGraph(payload.graph_id, payload.doc, payload.consts), payload.const_frames)) is m.Ok
+    w = FrameWriter()
+    assert type(ask(m.Run(payload.graph_id, args=[w.value(x)], keep=[0], handle_base=1, brief=True),
+                    w.frames)) is m.RunReply
+    gid, engine_ms = payload.graph_id[:m.SHORT_GRAPH_ID], []
+
+    def one_batch() -> None:
+        h, runs, chores = state["h"], [], []
+        for j in range(batch):
+            runs.append(m.Run(gid, args=[m.HandleArg(h + j)], keep=[0], handle_base=h + j + 1, brief=True))
+            chores.append(m.Pending(handles=[h + j - 1]) if h + j > 1 else None)
+        reply = ask(m.Runs(runs, [0] * batch, chores))
+        assert type(reply) is m.RunsReply and not reply.said, reply
+        engine_ms.extend(reply.run_ms)
+        state["h"] = h + batch
+
+    best = [float("inf")] * 2
+    for _ in range(repeats):
+        engine_ms.clear()
+        run = cpu_s(lambda: [one_batch() for _ in range(batches)])[0] / (batches * batch)
+        op = cpu_s(lambda: [x * 1.0001 for _ in range(batches * batch)])[0] / (batches * batch)
+        best = [min(best[0], run), min(best[1], op)]
+    return best[0], sorted(engine_ms)[len(engine_ms) // 2] / 1e3, best[1]
 
 
 @contextlib.contextmanager
@@ -119,6 +171,10 @@ def main() -> None:
             assert torch.equal(got, chain(x, n)), "the remote result differs from torch's"
     finally:
         worker.stop()
+    run, engine, op = worker_cost(args.numel, args.repeats)
+    print(f"the worker, per eager call (Run messages of 16, in this process; CPU, least of {args.repeats}):")
+    print(f"  handling the call:  {run * 1e6:8.1f} µs, of which the engine's call {engine * 1e6:.1f} µs")
+    print(f"  torch's own op:     {op * 1e6:8.1f} µs (the same call on a local tensor)")
 
 
 if __name__ == "__main__":

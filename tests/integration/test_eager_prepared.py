@@ -120,6 +120,28 @@ def test_values_a_chain_of_prepared_calls_drops_are_released_on_the_worker(s):
             conn.fetch(m.HandleArg(hid))
 
 
+def test_a_large_value_a_chain_drops_is_released_by_the_very_next_call(s):
+    """Small values dropped are released 16 at a time; a value of 1 MiB or more rides on the next call,
+    so the worker frees it as soon as torch would here (and reuses its memory while it is in cache)."""
+    waiting = {}
+    for numel in (256, 1 << 18):  # 1 KiB and 1 MiB of float32
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(2))
+        y = kept(s, x)
+        conn = y._rt_ref.conn
+        with torch.no_grad():
+            z, want = y * 1.5, x * 1.5
+            (z * 1.5).sum().item()  # every layout prepared; what was released so far has gone
+            most = 0
+            for _ in range(40):
+                z, want = z * 1.5, want * 1.5
+                most = max(most, conn.handles.releasing)
+            assert torch.equal(z, want)
+        waiting[numel] = most
+    # the value the last call dropped (it rides on the next), and at first the small sum read before
+    assert waiting[1 << 18] <= 2, waiting
+    assert waiting[256] >= 15, waiting
+
+
 def test_prepared_calls_from_several_threads_at_once_equal_torch(s):
     xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(10 + i)) for i in range(4)]
     ys = [kept(s, x) for x in xs]

@@ -22,6 +22,7 @@ class HandleTable:
         self._next = 1
         self._lock = threading.Lock()
         self._released: deque[int] = deque()
+        self.releasing_bytes = 0  # bytes of the values released and not taken yet, where known (a hint)
         self._live: set[int] = set()  # handles the worker holds for us now
         # handle id -> weakly, the value standing here for it (client.remote.RemoteRef), until released
         # (a plain dict: the value's death releases its handle, which drops the entry; a third of what
@@ -57,11 +58,14 @@ class HandleTable:
         if hid is not None:
             self.release(hid)
 
-    def release(self, hid: int) -> None:
-        """The worker may drop ``hid`` (safe from garbage collection, on any thread: set, dict and deque ops only)."""
+    def release(self, hid: int, nbytes: int = 0) -> None:
+        """The worker may drop ``hid`` (safe from garbage collection, on any thread: set, dict and deque ops
+        only; ``nbytes``, the value's size where known, only counts towards :attr:`releasing_bytes`)."""
         self._live.discard(hid)
         self._values.pop(hid, None)
         self._released.append(hid)
+        if nbytes:
+            self.releasing_bytes += nbytes  # (a count lost to a race only delays a release)
 
     def track(self, value) -> None:
         """Remember a local stand-in for handle ``value.handle`` while it lives (see :meth:`values`)."""
@@ -84,6 +88,7 @@ class HandleTable:
     def take_released(self) -> list[int]:
         """Ids released since the last call (to piggy-back on the next request)."""
         out = []
+        self.releasing_bytes = 0
         while self._released:
             out.append(self._released.popleft())
         return out

@@ -37,6 +37,7 @@ def stand_in(conn: Connection, hid: int, shape, strides, dtype: torch.dtype, dev
     ref = t._rt_ref = RemoteRef(hid, conn, policy, index, launched)
     ref.root = weakref.ref(t)
     if hid:
+        ref.nbytes = t.nbytes
         conn.handles.track(ref)
     return t
 

@@ -16,7 +16,9 @@ each later call (:class:`PreparedRun`) only:
 * names its arguments' handles and reserves its outputs' handles;
 * makes the outputs' placeholders (as :mod:`remotorch.client.launch` does);
 * queues its ``Run`` next to the eager calls before it (:mod:`remotorch.client.coalesce`),
-  with the housekeeping due (handles released) once :data:`_RELEASES` of them are;
+  with the housekeeping due (handles released) once :data:`_RELEASES` of them are, or
+  :data:`_RELEASE_BYTES` of values (so that the worker reuses a large value's memory while it is
+  still in cache, as torch does when Python drops a tensor);
 
 and its reply, when read, settles the placeholders (a brief reply that says
 nothing) or goes through the general check (:class:`~remotorch.client.launch.Plan`).
@@ -46,7 +48,8 @@ from .remote import RemoteTensor
 # here: this call <- client.eager's _queued <- on_op <- client.remote's _eager <- __torch_function__ <- the caller
 _CALLER = 6
 _CPU = torch.device("cpu")
-_RELEASES = 16  # handles released that ride on the next call (fewer wait for the next request)
+_RELEASES = 16  # handles released that ride on the next call (fewer wait for the next request)...
+_RELEASE_BYTES = 1 << 20  # ...or bytes of them: the worker frees large values as soon as torch would
 _HandleArg, _ViewArg, _Run, _compact = m.HandleArg, m.ViewArg, m.Run, m.compact
 
 
@@ -150,7 +153,7 @@ class PreparedRun:
             # housekeeping rides on this call when enough is due: each handle released before it is one no
             # call from this one on names (a call queued earlier that does is before it, in order)
             pending = (conn.take_pending() if handles.releasing >= _RELEASES or conn.uploads.released
-                       or conn.pending_hooks else None)
+                       or handles.releasing_bytes >= _RELEASE_BYTES or conn.pending_hooks else None)
             stream.queue(_Run(self.gid, args=_compact(args) if len(args) > 2 else args, handle_base=base,
                               **self.fields), (), call, pending)
             link.last_request = time.monotonic()

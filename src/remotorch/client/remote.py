@@ -70,7 +70,7 @@ class RemoteRef:
     """
 
     __slots__ = ("handle", "conn", "policy", "index", "copies", "launched", "recompute", "root", "views",
-                 "written", "stays", "__weakref__")
+                 "written", "stays", "nbytes", "__weakref__")
 
     def __init__(self, handle: int, conn: Connection, policy=None, index: int = -1, launched=None) -> None:
         self.handle = handle
@@ -84,12 +84,13 @@ class RemoteRef:
         self.views: list[weakref.ref] = []  # lazy views of it (they share its local buffer)
         self.written = False  # an eager call wrote into the worker's value (a reply's copy of it is stale)
         self.stays = False  # its home is the worker (weights it loaded): not fetched when the session ends
+        self.nbytes = 0  # the value's size, when known (its release rides on the next call sooner when large)
 
     def __del__(self) -> None:
         # runs in garbage collection, on any thread: only queue appends
         try:
             if self.handle:
-                self.conn.handles.release(self.handle)
+                self.conn.handles.release(self.handle, self.nbytes)
             for other, handle in self.copies.values():
                 other.handles.release(handle)
         except Exception:  # interpreter shutdown

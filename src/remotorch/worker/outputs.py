@@ -84,10 +84,13 @@ def dispose(worker: Stores, session: object, plan: OutputPlan, outs: list, input
             grads: dict[int, int], send: Send) -> list:
     """Apply the plan to a run's outputs (``inputs``: the storages of the tensors the graph took, by
     address, when it makes gradients); one wire argument (or the value, to send inline) per output."""
-    saved = [i for i, o in enumerate(outs) if 0 <= plan.saved_from <= i and isinstance(o, torch.Tensor)]
-    saved_ids = dict(zip(saved, range(plan.handle_base, plan.handle_base + len(saved))))
-    worker.handles.put(session, list(saved_ids.values()), [outs[i] for i in saved])
-    kept = _keep(worker, session, plan, outs, plan.handle_base + len(saved), saved_ids)
+    saved_ids: dict[int, int] = {}
+    if plan.saved_from >= 0:
+        saved = [i for i, o in enumerate(outs) if plan.saved_from <= i and isinstance(o, torch.Tensor)]
+        saved_ids = dict(zip(saved, range(plan.handle_base, plan.handle_base + len(saved))))
+        worker.handles.put(session, list(saved_ids.values()), [outs[i] for i in saved])
+    kept = (_keep(worker, session, plan, outs, plan.handle_base + len(saved_ids), saved_ids)
+            if plan.keep or plan.strides or plan.echo else {})
     sent = _send(plan.send, outs, send) if plan.send else set()
     # a gradient may alias an argument or another output (e.g. the incoming
     # gradient passed straight through): only a fresh tensor may become .grad
@@ -177,9 +180,17 @@ def restrided(t: torch.Tensor, strides) -> torch.Tensor:
     most once in no more memory than the tensor needs (dense ones in any
     order): anything else is refused.
     """
-    strides = list(strides) or contiguous_strides(t.shape)
-    if strides == list(t.stride()):
-        return t
+    if strides:
+        strides = list(strides)
+        if strides == list(t.stride()):
+            return t
+    else:
+        shape = t.shape
+        if t.is_contiguous() and all(n > 1 for n in shape):  # (then row-major strides are the only ones)
+            return t
+        strides = contiguous_strides(shape)
+        if strides == list(t.stride()):
+            return t
     _check_layout(list(t.shape), strides, "an output")
     out = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
     out.copy_(t)

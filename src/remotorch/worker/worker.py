@@ -349,11 +349,13 @@ class Worker:
         binding = self._bindings.find(session, bound, gid, len(args)) if bound else None
         values = self.values(session, args, frames)
         missing_t = [a.id for a, v in zip(args, values) if v is _MISSING]
-        missing_g = self._graphs.missing(session, [gid])
-        if missing_t or missing_g:
+        try:
+            graph: GraphEntry = self._graphs.get(session, gid)
+        except KeyError:
+            graph = None
+        if missing_t or graph is None:
             raise MissingObjectsError("worker does not hold these objects for this session",
-                                      graphs=missing_g, tensors=missing_t)
-        graph: GraphEntry = self._graphs.get(session, gid)
+                                      graphs=[] if graph is not None else [gid], tensors=missing_t)
         if binding is not None:
             values = binding.fill(values)
             graph.check_args(values, binding.free)  # the bound ones passed when they were bound
@@ -382,9 +384,8 @@ class Worker:
         of them are reported at once); a handle or slot it does not hold
         raises ``MissingObjectsError`` at once (the client cannot re-upload it).
         """
-        reader, device, held = self.reader(frames), self.device, self._tensors.getter(session, _MISSING)
-        on_cpu = device.type == "cpu"
-        handles, slots = self.handles.held(session), self.trainables.values_made(session)  # (the usual case)
+        handles = self.handles.held(session)  # (the usual case; the rest is looked up when met)
+        slots = reader = held = None
         values = []
         for a in args:
             kind = type(a)
@@ -392,19 +393,25 @@ class Worker:
                 t = handles.get(a.id)
                 values.append(t if t is not None else self.handles.get(session, a.id))
             elif kind is m.SlotArg:
+                if slots is None:
+                    slots = self.trainables.values_made(session)
                 t = slots.get(a.id)
                 values.append(t if t is not None else self.trainables.value(session, a.id))
             elif kind is m.RefArg:
+                if held is None:
+                    held = self._tensors.getter(session, _MISSING)
                 values.append(held(a.id))
             elif kind is m.TensorArg:
+                if reader is None:
+                    reader = self.reader(frames)
                 t = reader.tensor(a.meta)
-                values.append(t if on_cpu else t.to(device))
+                values.append(t if self.device.type == "cpu" else t.to(self.device))
             elif kind is m.ScalarArg:
                 values.append(a.value)
             elif kind is m.ViewArg:
                 values.append(self.handles.view(session, a.id, a.shape, a.strides, a.offset))
             elif kind is m.ZerosArg:
-                values.append(zeros(a, device, self.limits.max_tensor_bytes))
+                values.append(zeros(a, self.device, self.limits.max_tensor_bytes))
             else:
                 raise InvalidRequestError(f"{type(a).__name__} is not a graph argument")
         return values
