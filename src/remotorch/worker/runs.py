@@ -5,6 +5,9 @@ answer each run the same way (:func:`run_reply`). A run of a ``Runs`` that
 fails is answered with its ``ErrorReply``, and the runs after it still run
 (each fails on its own if it needs what the failed one was to make), as they
 would have as requests of their own.
+
+Such an eager call is a brief run whose arguments are all held here and whose
+outputs are all kept as planned; :func:`run_kept` runs it the short way.
 """
 
 from __future__ import annotations
@@ -12,14 +15,65 @@ from __future__ import annotations
 import logging
 import traceback
 
+import torch
+
 from ..codec import messages as m
 from ..codec.frames import FrameWriter
 from ..errors import InvalidRequestError, MissingObjectsError, RemoteError, RemoteOutOfMemoryError, WorkerError
-from .outputs import Echo
+from .calls import Ran
+from .guard import timed_call
+from .outputs import Echo, OutputPlan, dispose
 
 log = logging.getLogger(__name__)
 
 _WIRE = (m.HandleArg, m.KeptArg, m.ScalarArg)  # outputs the worker disposed of (the rest travel inline)
+_KEPT = m.ScalarArg(None)  # a brief run's output kept as planned (left unsaid in its reply)
+
+
+def short(req: m.Run) -> bool:
+    """Whether a brief run has none of the parts :func:`run_kept` leaves to the general way."""
+    return not (req.saved_from >= 0 or req.keep_min_bytes or req.strides or req.echo or req.grad_slots or req.send
+                or req.take or req.keep_inputs or req.bind or req.bound or req.cuda_graphs or req.rng)
+
+
+def run_kept(worker, session: object, req: m.Run, send) -> Ran | None:
+    """``worker.run`` the short way, for a brief run whose arguments are all held here and whose outputs
+    are kept, row-major, as planned: an eager call queued without waiting (``client/prepared.py``), a
+    loop of which is a worker's whole load then. The same checks and outcomes as the general way, in
+    fewer steps; None (nothing done yet) when anything it leaves out has a say: an argument to look up
+    further or that is missing, a graph to find or compile, a random one. Outputs not kept as planned
+    (not row-major, not tensors, over the quota) go through the general disposal."""
+    graph = worker.held_graph(session, req.graph_id)
+    if graph is None or graph.random:
+        return None
+    fn = graph.compiled.get(req.engine)
+    if fn is None:
+        return None
+    handles, values = worker.handles.held(session), []
+    for a in req.args:
+        kind = type(a)
+        if kind is m.HandleArg:
+            t = handles.get(a.id)
+            if t is None:
+                return None
+            values.append(t)
+        elif kind is m.ScalarArg:
+            values.append(a.value)
+        elif kind is m.ViewArg:
+            values.append(worker.handles.view(session, a.id, a.shape, a.strides, a.offset))
+        else:
+            return None
+    graph.check_args(values)
+    device = worker.device
+    out, ms = worker._guarded(req.engine, lambda: timed_call(fn, list(values), device))
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    keep, n = req.keep, len(outs)
+    if len(keep) == n and all(k == i for i, k in enumerate(keep)) and \
+            all(type(o) is torch.Tensor and o.is_contiguous() and all(d > 1 for d in o.shape) for o in outs) \
+            and worker.may_keep(session, sum(o.numel() * o.element_size() for o in outs)):
+        worker.handles.put(session, list(range(req.handle_base, req.handle_base + n)), outs)
+        return Ran([_KEPT] * n, ms, False)
+    return Ran(dispose(worker, session, OutputPlan.of(req), outs, frozenset(), {}, send), ms, False)
 
 
 def error_of(exc: RemoteError) -> m.ErrorReply:

@@ -45,6 +45,7 @@ from .timing import MAX_REPEATS, MAX_WARMUPS, TimedRuns, time_runs
 from .handles import HandleStore, count_bytes
 from ..codec.args import expand
 from .outputs import OutputPlan, Send, dispose, grad_slots, zeros
+from .runs import run_kept, short
 from .groups import Groups
 from .tenancy import check_namespaces
 from .training import Trainables
@@ -55,13 +56,6 @@ log = logging.getLogger(__name__)
 
 MAX_SPANNED = 1 << 20  # handles one Pending's spans may name
 _MISSING = object()  # a RefArg the session does not hold (reported with the others)
-_KEPT = m.ScalarArg(None)  # a brief run's output kept as planned (left unsaid in the reply)
-
-
-def _NOT_SHORT(req: m.Run) -> bool:
-    """The run has a part :meth:`Worker._run_kept` leaves to the general way."""
-    return bool(req.saved_from >= 0 or req.keep_min_bytes or req.strides or req.echo or req.grad_slots or req.send
-                or req.take or req.keep_inputs or req.bind or req.bound or req.cuda_graphs or req.rng)
 
 
 def resolve_device(spec: str = "auto") -> torch.device:
@@ -121,6 +115,12 @@ class Worker:
                 raise MissingObjectsError("worker does not hold these objects for this session", graphs=[short])
             gid = known[short] = found[0]
         return gid
+
+    def held_graph(self, session: object, gid: str) -> GraphEntry | None:
+        """The graph this session holds by this id (or a short id it used before), else None."""
+        if len(gid) == m.SHORT_GRAPH_ID:
+            gid = self._short_ids.get(session, {}).get(gid)
+        return self._graphs.find(session, gid) if gid is not None else None
 
     def close_session(self, session: object) -> None:
         """Release everything a session held (objects no one else holds are freed)."""
@@ -295,8 +295,8 @@ class Worker:
         fails). The outputs of the result follow :mod:`remotorch.worker.outputs`.
         ``send`` delivers outputs to another worker.
         """
-        if req.brief and not frames and not _NOT_SHORT(req) and not self.cuda_graphs:
-            ran = self._run_kept(session, req, send)
+        if req.brief and not frames and not self.cuda_graphs and short(req):
+            ran = run_kept(self, session, req, send)
             if ran is not None:
                 return ran
         plan = None if req.saved_from < 0 and not (req.keep or req.grad_slots or req.send) else OutputPlan.of(req)
@@ -325,47 +325,6 @@ class Worker:
         if plan is not None:  # (None: every output goes back inline, the common inference call)
             outs = dispose(self, session, plan, outs, inputs, grads, send)
         return Ran(outs, ms, prep.compiled, rng)
-
-    def _run_kept(self, session: object, req: m.Run, send: Send) -> Ran | None:
-        """:meth:`run` the short way, for a brief run whose arguments are all held here and whose outputs
-        are kept, row-major, as planned: an eager call queued without waiting (``client/prepared.py``), a
-        loop of which is this worker's whole load. The same checks and outcomes as the general way, in
-        fewer steps; None (nothing done yet) when anything it leaves out has a say: an argument to look
-        up further or that is missing, a graph to find or compile, a random one."""
-        gid = req.graph_id
-        if len(gid) == m.SHORT_GRAPH_ID:
-            gid = self._short_ids.get(session, {}).get(gid)
-        graph = self._graphs.find(session, gid) if gid is not None else None
-        if graph is None or graph.random:
-            return None
-        fn = graph.compiled.get(req.engine)
-        if fn is None:
-            return None
-        handles, values = self.handles.held(session), []
-        for a in req.args:
-            kind = type(a)
-            if kind is m.HandleArg:
-                t = handles.get(a.id)
-                if t is None:
-                    return None
-                values.append(t)
-            elif kind is m.ScalarArg:
-                values.append(a.value)
-            elif kind is m.ViewArg:
-                values.append(self.handles.view(session, a.id, a.shape, a.strides, a.offset))
-            else:
-                return None
-        graph.check_args(values)
-        device = self.device
-        out, ms = self._guarded(req.engine, lambda: timed_call(fn, list(values), device))
-        outs = _as_list(out)
-        keep, n = req.keep, len(outs)
-        if len(keep) == n and all(k == i for i, k in enumerate(keep)) and \
-                all(type(o) is torch.Tensor and o.is_contiguous() and all(d > 1 for d in o.shape) for o in outs) \
-                and self.may_keep(session, sum(o.numel() * o.element_size() for o in outs)):
-            self.handles.put(session, list(range(req.handle_base, req.handle_base + n)), outs)
-            return Ran([_KEPT] * n, ms, False)
-        return Ran(dispose(self, session, OutputPlan.of(req), outs, frozenset(), {}, send), ms, False)
 
     def profile(self, session: object, gid: str, engine: str, args: list, frames, *, warmups: int,
                 repeats: int, cuda_graphs: bool = False) -> tuple[list, TimedRuns, bool, float, str]:
