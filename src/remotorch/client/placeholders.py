@@ -6,6 +6,7 @@ What a placeholder is and how it behaves is in :mod:`remotorch.client.remote`.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -37,7 +38,7 @@ def stand_in(conn: Connection, hid: int, shape, strides, dtype: torch.dtype, dev
     ref = t._rt_ref = RemoteRef(hid, conn, policy, index, launched)
     ref.root = weakref.ref(t)
     if hid:
-        ref.nbytes = t.nbytes
+        ref.nbytes = math.prod(shape) * dtype.itemsize  # (not t.nbytes: that is an op on a placeholder)
         conn.handles.track(ref)
     return t
 
