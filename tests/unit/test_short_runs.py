@@ -1,4 +1,4 @@
-"""A brief run whose arguments are all held and whose outputs are kept as planned goes the short way
+"""A brief run whose outputs are kept as planned goes the short way
 (``worker/runs.py``, ``run_kept``): it must answer, keep and refuse exactly as the general way does.
 
 Each case runs the same requests on two workers in this process, one with the
@@ -126,7 +126,7 @@ def test_kept_outputs_of_held_arguments_go_the_short_way_and_equal_the_general_w
                 peer.ask(m.Run(short, args=[m.HandleArg(12), m.HandleArg(13)], keep=[0, 1], handle_base=14,
                                brief=True))]
 
-    assert _both(monkeypatch, case) == [False, True]  # (a short id is looked up the general way first)
+    assert _both(monkeypatch, case) == [True, True]
 
 
 def test_a_view_argument_goes_the_short_way(monkeypatch):

@@ -6,8 +6,8 @@ fails is answered with its ``ErrorReply``, and the runs after it still run
 (each fails on its own if it needs what the failed one was to make), as they
 would have as requests of their own.
 
-Such an eager call is a brief run whose arguments are all held here and whose
-outputs are all kept as planned; :func:`run_kept` runs it the short way.
+Such an eager call is a brief run whose outputs are all kept as planned;
+:func:`run_kept` runs it the short way.
 """
 
 from __future__ import annotations
@@ -37,33 +37,17 @@ def short(req: m.Run) -> bool:
 
 
 def run_kept(worker, session: object, req: m.Run, send) -> Ran | None:
-    """``worker.run`` the short way, for a brief run whose arguments are all held here and whose outputs
-    are kept, row-major, as planned: an eager call queued without waiting (``client/prepared.py``), a
-    loop of which is a worker's whole load then. The same checks and outcomes as the general way, in
-    fewer steps; None (nothing done yet) when anything it leaves out has a say: an argument to look up
-    further or that is missing, a graph to find or compile, a random one. Outputs not kept as planned
-    (not row-major, not tensors, over the quota) go through the general disposal."""
-    graph = worker.held_graph(session, req.graph_id)
-    if graph is None or graph.random:
+    """``worker.run`` the short way, for a brief run whose outputs are kept, row-major, as planned: an
+    eager call queued without waiting (``client/prepared.py``), a loop of which is a worker's whole load
+    then. It prepares the run as the general way does (the graph, its engine, the arguments, checked),
+    runs it under the same guard, and stores its outputs as the handles named, in fewer steps than the
+    general output plan; None (nothing run) for a random graph, which the general way runs from the
+    session's generator. Outputs not kept as planned (not row-major, not tensors, over the quota) go
+    through the general disposal."""
+    prep = worker._prepare(session, req.graph_id, req.engine, req.args, ())
+    if prep.random:
         return None
-    fn = graph.compiled.get(req.engine)
-    if fn is None:
-        return None
-    handles, values = worker.handles.held(session), []
-    for a in req.args:
-        kind = type(a)
-        if kind is m.HandleArg:
-            t = handles.get(a.id)
-            if t is None:
-                return None
-            values.append(t)
-        elif kind is m.ScalarArg:
-            values.append(a.value)
-        elif kind is m.ViewArg:
-            values.append(worker.handles.view(session, a.id, a.shape, a.strides, a.offset))
-        else:
-            return None
-    graph.check_args(values)
+    fn, values = prep.fn, prep.values
     device = worker.device
     out, ms = worker._guarded(req.engine, lambda: timed_call(fn, list(values), device))
     outs = list(out) if isinstance(out, (list, tuple)) else [out]
@@ -72,8 +56,8 @@ def run_kept(worker, session: object, req: m.Run, send) -> Ran | None:
             all(type(o) is torch.Tensor and o.is_contiguous() and all(d > 1 for d in o.shape) for o in outs) \
             and worker.may_keep(session, sum(o.numel() * o.element_size() for o in outs)):
         worker.handles.put(session, list(range(req.handle_base, req.handle_base + n)), outs)
-        return Ran([_KEPT] * n, ms, False)
-    return Ran(dispose(worker, session, OutputPlan.of(req), outs, frozenset(), {}, send), ms, False)
+        return Ran([_KEPT] * n, ms, prep.compiled)
+    return Ran(dispose(worker, session, OutputPlan.of(req), outs, frozenset(), {}, send), ms, prep.compiled)
 
 
 def error_of(exc: RemoteError) -> m.ErrorReply:

@@ -97,11 +97,6 @@ class SharedStore:
             raise KeyError(key)
         return entry.value
 
-    def find(self, session: object, key: str) -> Any:
-        """The object if this session holds it, else None."""
-        entry = self._entries.get(key)
-        return entry.value if entry is not None and session in entry.holders else None
-
     def getter(self, session: object, default: Any) -> Callable[[str], Any]:
         """``get(key)``: the object if this session holds it, else ``default`` (many lookups, one setup)."""
         entries = self._entries

@@ -116,12 +116,6 @@ class Worker:
             gid = known[short] = found[0]
         return gid
 
-    def held_graph(self, session: object, gid: str) -> GraphEntry | None:
-        """The graph this session holds by this id (or a short id it used before), else None."""
-        if len(gid) == m.SHORT_GRAPH_ID:
-            gid = self._short_ids.get(session, {}).get(gid)
-        return self._graphs.find(session, gid) if gid is not None else None
-
     def close_session(self, session: object) -> None:
         """Release everything a session held (objects no one else holds are freed)."""
         self._short_ids.pop(session, None)
