@@ -142,6 +142,34 @@ def test_a_large_value_a_chain_drops_is_released_by_the_very_next_call(s):
     assert waiting[256] >= 15, waiting
 
 
+def test_eager_calls_leave_no_garbage_for_the_collector(s):
+    """Each call's records are freed as soon as its reply is read: none is in a reference cycle that
+    only Python's collector frees (with thousands of calls in flight, such garbage promoted to the
+    oldest generation made full collections of the user's whole heap, about 45% of the client's
+    time per call)."""
+    import collections
+    import gc
+
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    y = kept(s, x)
+    with torch.no_grad():
+        chain(y, 2).sum().item()  # every layout prepared
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            got = chain(y, 50)  # 250 calls, prepared
+            assert torch.equal(got, chain(x, 50))
+            del got
+            gc.collect()
+            cyclic = collections.Counter(type(o).__qualname__ for o in gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert not cyclic, cyclic.most_common(10)
+
+
 def test_prepared_calls_from_several_threads_at_once_equal_torch(s):
     xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(10 + i)) for i in range(4)]
     ys = [kept(s, x) for x in xs]

@@ -60,12 +60,14 @@ class _Call(Launched):
     effect = quiet = step = False
 
     def __init__(self, run: PreparedRun, base: int, at: tuple, on_read) -> None:
-        self.what, self.on_reply, self.on_error, self.on_read = run.label, self._answered, run.failed, on_read
+        # (its reply's handler is the method itself, not an attribute bound to it: a record that held
+        # its own bound method would be a reference cycle, freed only by the collector)
+        self.what, self.on_error, self.on_read = run.label, run.failed, on_read
         self.makes = (("h", base),) if run.n == 1 else tuple(("h", base + j) for j in range(run.n))
         self.origin = at
         self.run, self.base, self.made = run, base, []
 
-    def _answered(self, reply: m.RunReply, frames: list) -> None:
+    def on_reply(self, reply: m.RunReply, frames: list) -> None:
         run = self.run
         run.stats.ran(reply)
         if reply.at or reply.outputs:  # values came back (small outputs): the general check

@@ -397,6 +397,10 @@ def _lazy_view(func, src: RemoteTensor, args, kwargs):
         ref.views.append(weakref.ref(r))
         return r
 
+    if isinstance(out, Tensor):  # (most views; torch's tree_map leaves a reference cycle per call)
+        return wrap(out)
+    if type(out) in (tuple, list):  # (split, unbind, chunk)
+        return type(out)(wrap(v) for v in out)
     return tree_map(wrap, out)
 
 
