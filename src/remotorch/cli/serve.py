@@ -93,6 +93,8 @@ def make_server(args: argparse.Namespace, token: str | None = None):
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
+    from ..worker.hostmem import HostMemory
+
     disk = _disk_cache(args)
     try:
         from ..worker.custom_ops import load_allowed
@@ -105,13 +107,15 @@ def make_server(args: argparse.Namespace, token: str | None = None):
                         roots=_roots(args))
         engines.prewarm([e for e in (args.warm_engines or "").split(",") if e], worker.device)
         tls = _tls(args)
+        host_memory = HostMemory(tune=args.host_malloc == "tuned" and worker.device.type == "cpu")
     except (ValueError, OSError) as exc:
         raise ServeError(str(exc)) from None
     try:
         return WorkerServer(worker, args.host, args.port, token, max_message_bytes=args.max_message_bytes,
                             lease_s=args.lease, tls=tls, message_timeout=args.message_timeout,
                             unix_path=args.unix, spin_s=None if spin_us is None else spin_us / 1e6,
-                            peer_tls_ca=args.peer_tls_ca, tenants=tenants, metrics=metrics)
+                            peer_tls_ca=args.peer_tls_ca, tenants=tenants, metrics=metrics,
+                            host_memory=host_memory)
     except ValueError as exc:  # (--metrics without prometheus_client)
         raise ServeError(str(exc)) from None
     except OSError as exc:
@@ -258,6 +262,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                        "(inductor: the first graph of a restarted worker then loads from the disk cache in 0.2 s, not 3)")
     serve.add_argument("--cuda-graphs", action="store_true", help="record each graph as a CUDA graph on its second "
                        "run and replay it (graphs it cannot record run as usual, counted in Stats)")
+    serve.add_argument("--host-malloc", choices=("tuned", "default"), default="tuned",
+                       help="tuned (default): a CPU worker keeps freed tensor buffers of up to 32 MiB for the "
+                            "next ones and gives them back after 2 s idle (glibc; glibc's own MALLOC_* "
+                            "variables win); default: the C library's own thresholds")
     serve.add_argument("--no-cache", action="store_true", help="no disk cache, whatever the environment says")
     serve.add_argument("--cache-max-gb", type=float, default=20.0,
                        help="size of the disk cache; least recently used entries go first (default 20)")

@@ -19,6 +19,7 @@ from .logs import REQUESTS, log_request
 from .activity import error_of
 from .metrics import Metrics, request_type
 from .tenants import Tenants
+from .hostmem import HostMemory
 from .worker import Worker
 
 
@@ -30,8 +31,11 @@ class WorkerServer:
                  max_message_bytes: int | None = None, lease_s: float = 30.0,
                  tls: ssl.SSLContext | None = None, message_timeout: float = 60.0,
                  unix_path: str | None = None, spin_s: float | None = 0.0, peer_tls_ca: str | None = None,
-                 tenants: Tenants | None = None, metrics: tuple[str, int] | None = None) -> None:
+                 tenants: Tenants | None = None, metrics: tuple[str, int] | None = None,
+                 host_memory: HostMemory | None = None) -> None:
         self.worker = worker
+        self.host_memory = host_memory  # (trimmed by the housekeeping thread when idle)
+        self._last_request = time.monotonic()
         if max_message_bytes is not None:  # no single frame may exceed the whole message either
             max_frame_bytes = min(max_frame_bytes, max_message_bytes)
         self.service = Service(worker, lease_s=lease_s, max_message_bytes=max_message_bytes)
@@ -83,7 +87,10 @@ class WorkerServer:
         if self._unsettled is not None:
             self._settle()
         started = time.perf_counter()
+        if self.host_memory is not None:
+            self.host_memory.served()
         reply = self.service.handle(cid, header, frames)
+        self._last_request = time.monotonic()
         service = self.service
         if self.metrics is None and not self._log_requests:
             self._unsettled = (cid, service.last_body, service.last_run, reply, 0, 0.0)
@@ -135,3 +142,5 @@ class WorkerServer:
         interval = min(1.0, self.service.leases.lease_s / 4)
         while not self._reaper_stop.wait(interval):
             self.service.reap()
+            if self.host_memory is not None:
+                self.host_memory.idle(time.monotonic() - self._last_request)
