@@ -249,7 +249,7 @@ def render_opinfo_eager(results: list, n_ops: int, limit: int | None, seconds: f
     from remotorch.devtools import opinfo
 
     table = opinfo.tally(results)
-    total = {k: sum(row[k] for row in table.values()) for k in ("counted", opinfo.EQUAL)}
+    total = {k: sum(row[k] for row in table.values()) for k in ("counted", opinfo.EQUAL, opinfo.AS_COMPILED)}
     lines = [
         EAGER_BEGIN,
         "## OpInfo: eager calls on values kept on the worker, against eager torch",
@@ -266,27 +266,42 @@ def render_opinfo_eager(results: list, n_ops: int, limit: int | None, seconds: f
         "torch's OpInfo marks non-deterministic); and one none of whose calls went to the worker (\"no call\":",
         "a pure view of the kept value, read as a view, or an operator that reads its input into Python).",
         "",
-        f"**{total[opinfo.EQUAL]} of {total['counted']} counted samples equal.** Reproduce: "
+        "The kept values are a compiled graph's outputs, and torch's own compiled graphs are not quite eager",
+        "torch in backward (aot_autograd's backward gives zeros where eager's gives None, and sums in its own",
+        "order). A sample that differs from eager torch is therefore also run by torch alone behind the same",
+        "identity compiled with `backend=\"aot_eager\"`, then with the operator's call compiled by aot_eager",
+        "too (an eager call that needs gradients runs as an aot_autograd pair of graphs, whose backward may",
+        "round differently from eager autograd): \"as aot_eager\" counts those equal to either, bit for bit,",
+        "and the list below says which (the difference is torch's own compiled graphs', not the eager call's).",
+        "",
+        f"**{total[opinfo.EQUAL]} of {total['counted']} counted samples equal, {total[opinfo.AS_COMPILED]} more "
+        "equal to torch behind the same compiled identity.** Reproduce: "
         "`python benchmarks/conformance.py --opinfo --eager`.",
         "",
-        "| dtype | direction | operators | counted | equal | not equal | eager fails | nondeterministic | no call |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| dtype | direction | operators | counted | equal | as aot_eager | not equal | eager fails | "
+        "nondeterministic | no call |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for dtype in opinfo.DTYPES:
         for direction in opinfo.DIRECTIONS:
             row = table.get((dtype, direction))
             if row:
                 lines.append(f"| {dtype} | {direction} | {row['ops']} | {row['counted']} | {row[opinfo.EQUAL]} | "
-                             f"{row[opinfo.DIFFERS]} | {row[opinfo.REFERENCE_FAILS]} | "
+                             f"{row[opinfo.AS_COMPILED]} | {row[opinfo.DIFFERS]} | {row[opinfo.REFERENCE_FAILS]} | "
                              f"{row[opinfo.NONDETERMINISTIC]} | {row[opinfo.NO_GRAPH]} |")
-    by_why: dict[str, list] = {}
-    for r in results:
-        if r.status == opinfo.DIFFERS:
-            by_why.setdefault(_plain_detail(r.detail), []).append(r.case)
-    lines += ["", "Samples not equal: " + ("none." if not by_why else "by what they came to:")]
-    for why, cases in sorted(by_why.items(), key=lambda item: -len(item[1])):
-        names = ", ".join(f"`{c}`" for c in cases[:12]) + (f" and {len(cases) - 12} more" if len(cases) > 12 else "")
-        lines.append(f"* {len(cases)}: {_escape(why)} ({names})")
+    for status, title in ((opinfo.DIFFERS, "Samples not equal"),
+                          (opinfo.AS_COMPILED, "Samples equal to torch behind the compiled identity, not to eager")):
+        by_why: dict[str, list] = {}
+        for r in results:
+            if r.status == status:
+                by_why.setdefault(_plain_detail(r.detail), []).append(r.case)
+        lines += ["", f"{title}: " + ("none." if not by_why else "by the reference equal to them, and what eager "
+                                      "torch's values came to:" if status == opinfo.AS_COMPILED
+                                      else "by what they came to:")]
+        for why, cases in sorted(by_why.items(), key=lambda item: -len(item[1])):
+            names = ", ".join(f"`{c}`" for c in cases[:12]) + (f" and {len(cases) - 12} more" if len(cases) > 12
+                                                                else "")
+            lines.append(f"* {len(cases)}: {_escape(why)} ({names})")
     return "\n".join(lines + [EAGER_END])
 
 

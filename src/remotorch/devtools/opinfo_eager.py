@@ -11,6 +11,19 @@ seeded random cotangents (they flow back through the eager call's backward
 graph on the worker, then the identity's), bit for bit. A case none of whose
 calls went to the worker (the operator read its inputs and ran here: ``item``,
 ``tolist``…) is *no graph*, not counted.
+
+The kept values are the outputs of a compiled graph, and a compiled graph is
+not quite eager torch in backward: aot_autograd's backward of the identity
+gives a gradient of zeros where eager's gives None (an input the operator's
+gradient does not reach), and sums gradients in its own order. So a sample
+that differs from eager torch is also run by torch alone behind the same
+identity compiled with ``backend="aot_eager"``, and then with the operator's
+call compiled by aot_eager too (an eager call that needs gradients runs as an
+aot_autograd pair of graphs, whose backward is traced from torch's own
+formulas and may round differently from eager autograd); equal to either, it
+is :data:`~remotorch.devtools.opinfo.AS_COMPILED` (counted, reported apart
+from the equal ones, naming which): the difference is torch's own compiled
+graph's, not the eager call's.
 """
 
 from __future__ import annotations
@@ -30,13 +43,19 @@ def _keeper(session):
     """The tensors given, as values kept on the session's worker (a compiled identity). Each is a graph
     of its own (a constant output tells them apart): a graph whose outputs Python read before sends
     them back in its reply from then on (``client.policy``), and a sample's reads must not teach the
-    next sample's identity that."""
+    next sample's identity that. Without a session: the same identity under torch's own aot_eager."""
     import remotorch
 
     tag = float(next(_made))
-    identity = remotorch.compile(lambda *ts: (*[t.clone() for t in ts], torch.full((), tag)), session=session,
-                                 fallback="raise")
-    return lambda *ts: identity(*ts)[:-1]
+
+    def identity(*ts):
+        return (*[t.clone() for t in ts], torch.full((), tag))
+
+    if session is None:
+        compiled = torch.compile(identity, backend="aot_eager", fullgraph=True)
+    else:
+        compiled = remotorch.compile(identity, session=session, fallback="raise")
+    return lambda *ts: compiled(*ts)[:-1]
 
 
 def check(info, sample, case: opinfo.Case, session) -> opinfo.Result:
@@ -71,4 +90,18 @@ def check(info, sample, case: opinfo.Case, session) -> opinfo.Result:
     if session.stats()["eager_ops"] == before:
         return result(opinfo.NO_GRAPH, "no eager call went to the worker (a view, or a read)"
                       + ("" if why is None else f" (and differs: {why})"))
-    return result(opinfo.EQUAL) if why is None else result(opinfo.DIFFERS, why)
+    if why is None:
+        return result(opinfo.EQUAL)
+    # torch alone: behind the same identity compiled by aot_eager; then with the call compiled by
+    # aot_eager too (an eager call that needs gradients is an aot_autograd graph pair on the worker)
+    for what, wrap in (("behind the identity", lambda f: f),
+                       ("the call compiled too", lambda f: torch.compile(f, backend="aot_eager"))):
+        try:
+            torch._dynamo.reset()
+            keep, op = _keeper(None), wrap(fn)
+            compiled = call.run(lambda *ts: op(*keep(*ts)))
+        except Exception:
+            continue
+        if opinfo.difference(compiled, have) is None:
+            return result(opinfo.AS_COMPILED, f"{what}; eager torch's: {why}")
+    return result(opinfo.DIFFERS, why)
