@@ -101,10 +101,15 @@ class HandleStore:
         """Store tensors as these handles; every id must be new to the session."""
         held = self._of(session)
         with self._lock:
-            if len(set(ids)) != len(ids) or any(h in held for h in ids):
-                raise InvalidRequestError("handle ids are already in use")
-            for h, t in zip(ids, tensors):
-                held[h] = t
+            if len(ids) == 1:  # (most: an eager call's one output)
+                if ids[0] in held:
+                    raise InvalidRequestError("handle ids are already in use")
+                held[ids[0]] = tensors[0]
+            else:
+                if len(set(ids)) != len(ids) or any(h in held for h in ids):
+                    raise InvalidRequestError("handle ids are already in use")
+                for h, t in zip(ids, tensors):
+                    held[h] = t
             expected = self._expected.get(session)
             if expected:
                 for h in ids:

@@ -21,7 +21,7 @@ from ..codec import messages as m
 from ..codec.frames import FrameWriter
 from ..errors import InvalidRequestError, MissingObjectsError, RemoteError, RemoteOutOfMemoryError, WorkerError
 from .calls import Ran
-from .guard import timed_call
+from .guard import guarded_call
 from .outputs import Echo, OutputPlan, dispose
 
 log = logging.getLogger(__name__)
@@ -36,27 +36,35 @@ def short(req: m.Run) -> bool:
                 or req.take or req.keep_inputs or req.bind or req.bound or req.cuda_graphs or req.rng)
 
 
-def run_kept(worker, session: object, req: m.Run, send) -> Ran | None:
+def run_kept(worker, session: object, req: m.Run, send) -> Ran | float | None:
     """``worker.run`` the short way, for a brief run whose outputs are kept, row-major, as planned: an
     eager call queued without waiting (``client/prepared.py``), a loop of which is a worker's whole load
     then. It prepares the run as the general way does (the graph, its engine, the arguments, checked),
     runs it under the same guard, and stores its outputs as the handles named, in fewer steps than the
-    general output plan; None (nothing run) for a random graph, which the general way runs from the
-    session's generator. Outputs not kept as planned (not row-major, not tensors, over the quota) go
-    through the general disposal."""
+    general output plan. What it returns:
+
+    * its milliseconds alone (a float) when every output was kept as planned and nothing compiled:
+      the reply says nothing of it (:func:`serve_runs`; :meth:`Worker.run` makes it a :class:`Ran`);
+    * a :class:`Ran` when outputs not kept as planned (not row-major, not tensors, over the quota)
+      went through the general disposal, or the run compiled its graph;
+    * None (nothing run) for a random graph, which the general way runs from the session's generator.
+    """
     prep = worker._prepare(session, req.graph_id, req.engine, req.args, ())
     if prep.random:
         return None
-    fn, values = prep.fn, prep.values
-    device = worker.device
-    out, ms = worker._guarded(req.engine, lambda: timed_call(fn, list(values), device))
-    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    out, ms = guarded_call(req.engine, prep.fn, prep.values, timeout=worker.limits.request_timeout,
+                           stores=worker.stores, device=worker.device)
+    if type(out) is torch.Tensor:
+        outs = [out]
+    else:
+        outs = list(out) if isinstance(out, (list, tuple)) else [out]
     keep, n = req.keep, len(outs)
     if len(keep) == n and all(k == i for i, k in enumerate(keep)) and \
             all(type(o) is torch.Tensor and o.is_contiguous() and all(d > 1 for d in o.shape) for o in outs) \
             and worker.may_keep(session, sum(o.numel() * o.element_size() for o in outs)):
-        worker.handles.put(session, list(range(req.handle_base, req.handle_base + n)), outs)
-        return Ran([_KEPT] * n, ms, prep.compiled)
+        worker.handles.put(session, [req.handle_base] if n == 1 else list(range(req.handle_base, req.handle_base + n)),
+                           outs)
+        return Ran([_KEPT] * n, ms, True) if prep.compiled else ms
     return Ran(dispose(worker, session, OutputPlan.of(req), outs, frozenset(), {}, send), ms, prep.compiled)
 
 
@@ -91,13 +99,20 @@ def serve_runs(worker, session, req: m.Runs, frames: list, send) -> tuple[m.Runs
             or len(req.housekeeping) not in (0, n):
         raise InvalidRequestError("a runs message must give each run its frames and housekeeping")
     w, ms, said, start = FrameWriter(), [], {}, 0
+    housekeeping, shortway = req.housekeeping, not worker.cuda_graphs
     for i, run in enumerate(req.runs):
         own = frames[start:start + counts[i]]
         start += counts[i]
         try:
-            if req.housekeeping and req.housekeeping[i] is not None:
-                worker.apply_pending(session, req.housekeeping[i])
-            ran = worker.run(session, run, own, send)
+            if housekeeping and housekeeping[i] is not None:
+                worker.apply_pending(session, housekeeping[i])
+            ran = run_kept(worker, session, run, send) if shortway and run.brief and not own and short(run) \
+                else None
+            if ran is None:
+                ran = worker.run(session, run, own, send)
+            elif type(ran) is float:  # every output kept as planned: nothing to say
+                ms.append(ran)
+                continue
         except RemoteError as exc:
             ms.append(0.0)
             said[i] = error_of(exc)

@@ -45,7 +45,7 @@ from .timing import MAX_REPEATS, MAX_WARMUPS, TimedRuns, time_runs
 from .handles import HandleStore, count_bytes
 from ..codec.args import expand
 from .outputs import OutputPlan, Send, dispose, grad_slots, zeros
-from .runs import run_kept, short
+from .runs import _KEPT, run_kept, short
 from .groups import Groups
 from .tenancy import check_namespaces
 from .training import Trainables
@@ -91,6 +91,7 @@ class Worker:
         self._short_ids: dict[object, dict[str, str]] = {}  # session -> short graph id -> graph id
         self.generators = Generators(self.device)  # each session's random generator state
         self._tensors = SharedStore(limits.cache_bytes)
+        self.stores = (self._tensors, self._graphs)  # (what out of memory may evict: worker/guard.py)
         self.handles = HandleStore()  # every value kept for a session, by handle id
         self.trainables = Trainables(self.device)  # parameter slots and optimizers
         self.groups = Groups(self.trainables, self.device, group_host)  # process groups with other workers
@@ -291,6 +292,8 @@ class Worker:
         """
         if req.brief and not frames and not self.cuda_graphs and short(req):
             ran = run_kept(self, session, req, send)
+            if type(ran) is float:  # every output kept as planned
+                return Ran([_KEPT] * len(req.keep), ran, False)
             if ran is not None:
                 return ran
         plan = None if req.saved_from < 0 and not (req.keep or req.grad_slots or req.send) else OutputPlan.of(req)
@@ -423,7 +426,7 @@ class Worker:
 
     def _guarded(self, engine: str, body: Callable[[], object]):
         """``body`` (graph runs) under this worker's request timeout and out-of-memory handling."""
-        return guarded(engine, body, timeout=self.limits.request_timeout, stores=(self._tensors, self._graphs),
+        return guarded(engine, body, timeout=self.limits.request_timeout, stores=self.stores,
                        device=self.device)
 
 
