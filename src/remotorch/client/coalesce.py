@@ -104,9 +104,15 @@ def _answer(subs: list[Launched], reply: m.RunsReply, frames: list,
     if len(reply.run_ms) != len(subs) or not all(0 <= i < len(subs) for i in reply.said):
         raise errors.ProtocolError("worker answered eager calls with replies that do not match them")
     tracer = trace.current() if trace.ACTIVE else None
-    said = reply.said
+    said, run_ms = reply.said, reply.run_ms
     for i, sub in enumerate(subs):
         own = said.get(i) if said else None
+        if own is None and tracer is None:
+            quiet = sub.on_quiet
+            if quiet is not None:  # (a prepared call whose worker said nothing: its outputs are kept)
+                quiet(run_ms[i])
+                sub.done = True
+                continue
         try:
             if type(own) is m.ErrorReply:
                 raise errors.from_reply(own.kind, own.message, own.traceback, graphs=own.graphs,

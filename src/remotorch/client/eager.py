@@ -315,7 +315,8 @@ def _written(ref) -> None:
     ref.recompute = None
     for other, handle in ref.copies.values():
         other.handles.release(handle)
-    ref.copies.clear()
+    if ref.copies:
+        ref.copies = {}
     root = ref.root() if ref.root is not None else None
     if root is None or "_rt_view" in root.__dict__:
         return

@@ -41,6 +41,9 @@ class Launched:
     alone = False  # sent while nothing else was in flight (its round trip had no queue)
     coalesce = False  # an eager call: it may leave together with those queued next to it (client.coalesce)
     subs: tuple | list = ()  # a message of coalesced calls: their records (each answered on its own)
+    # a coalesced call's handler of a reply that said nothing of it (only its worker's milliseconds),
+    # instead of on_reply with a reply made for it: None (on_reply is called)
+    on_quiet: Callable[[float], None] | None = None
 
     def __init__(self, what: str, on_reply: Callable[[object, list], None] | None = None,
                  expect: type | None = None, on_error: Callable[[errors.RemoteError], None] | None = None,

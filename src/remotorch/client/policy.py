@@ -46,7 +46,7 @@ class GraphPolicy:
     probe: int = 0  # calls until the next one is sent without waiting (while the graph's calls wait)
     probe_every: int = 2  # doubles while probes find the program still reading at once
     probed_at: float = 0.0  # when the last probe went out (time.perf_counter)
-    unread: list | None = None  # the last launched call's read flag, until its outputs are read
+    unread: _Read | None = None  # the last launched call's read, until its outputs are read
     plain_layout: list | None = None  # the last output layout found to have no overlapping output
 
     def waits(self) -> bool:
@@ -66,18 +66,9 @@ class GraphPolicy:
     def launched(self) -> Callable[[bool], None]:
         """A call of the graph was sent without waiting; the function to call when Python first reads
         one of its outputs, with whether that was at once (see the module docstring)."""
-        if self.unread is not None and not self.unread[0]:
+        if self.unread is not None and not self.unread.done:
             self._later()  # the previous call's outputs were never read
-        flag = self.unread = [False]
-
-        def read(prompt: bool) -> None:
-            flag[0] = True
-            if prompt:
-                self.prompt += 1
-                if self.prompt == PROMPT_CALLS:
-                    self.probe, self.probe_every = 2, 2
-            else:
-                self._later()
+        read = self.unread = _Read(self)
         return read
 
     def _later(self) -> None:
@@ -88,6 +79,27 @@ class GraphPolicy:
         end = graph.saved_from if graph.saved_from is not None else len(graph.output_devices)
         devices, must_real, read = graph.output_devices, graph.must_real, self.read_outputs
         return [i for i in range(end) if devices[i] is not None and i not in must_real and i not in read]
+
+
+class _Read:
+    """What a launched call does when Python first reads one of its outputs (``read(prompt)``): the
+    policy learns whether that was at once. (One small object a call: thousands of eager calls are in
+    flight at a time, and each object they hold costs Python's collector.)"""
+
+    __slots__ = ("policy", "done")
+
+    def __init__(self, policy: GraphPolicy) -> None:
+        self.policy, self.done = policy, False
+
+    def __call__(self, prompt: bool) -> None:
+        self.done = True
+        policy = self.policy
+        if prompt:
+            policy.prompt += 1
+            if policy.prompt == PROMPT_CALLS:
+                policy.probe, policy.probe_every = 2, 2
+        else:
+            policy._later()
 
 
 class Policies:

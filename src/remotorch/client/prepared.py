@@ -62,10 +62,22 @@ class _Call(Launched):
     def __init__(self, run: PreparedRun, base: int, at: tuple, on_read) -> None:
         # (its reply's handler is the method itself, not an attribute bound to it: a record that held
         # its own bound method would be a reference cycle, freed only by the collector)
-        self.what, self.on_error, self.on_read = run.label, run.failed, on_read
-        self.makes = (("h", base),) if run.n == 1 else tuple(("h", base + j) for j in range(run.n))
-        self.origin = at
+        self.what, self.on_read, self.origin = run.label, on_read, at
         self.run, self.base, self.made = run, base, []
+
+    def on_error(self, exc) -> None:
+        self.run.failed(exc)
+
+    @property
+    def makes(self) -> tuple:  # (made when asked: a failure's, rarely)
+        return tuple(("h", self.base + j) for j in range(self.run.n))
+
+    def on_quiet(self, ms: float) -> None:
+        """The worker said nothing of this call but its milliseconds: each output is kept, as planned."""
+        stats = self.run.stats
+        stats.remote_calls += 1
+        stats.remote_ms += ms
+        self._kept()
 
     def on_reply(self, reply: m.RunReply, frames: list) -> None:
         run = self.run
@@ -75,6 +87,9 @@ class _Call(Launched):
             plan.adopt(dict(zip(run.tensors, self.made)))
             plan.on_reply(reply, frames)
             return
+        self._kept()
+
+    def _kept(self) -> None:
         for root in self.made:  # each output is kept, as planned: nothing to wait for any more
             ph = root()
             if ph is not None:

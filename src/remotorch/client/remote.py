@@ -35,6 +35,7 @@ requests, is in :mod:`remotorch.client.values`.
 from __future__ import annotations
 
 import logging
+import types
 import weakref
 from typing import Protocol
 
@@ -62,6 +63,9 @@ class Connection(Protocol):
     def settle(self, until=None) -> None: ...
 
 
+_NONE = types.MappingProxyType({})  # (no copies: a mapping nothing writes into)
+
+
 class RemoteRef:
     """One worker handle, owned by the placeholders (and views) that stand for it.
 
@@ -78,10 +82,12 @@ class RemoteRef:
         self.launched = launched  # the asynchronous call that makes it, until its reply was read
         self.policy = policy  # the client.policy.GraphPolicy of the graph that made it (learns what is read)
         self.index = index
-        self.copies: dict[int, tuple] = {}  # id(connection) -> (connection, handle of a copy moved there)
+        # id(connection) -> (connection, handle of a copy moved there); the shared empty one until then
+        # (each object a placeholder holds costs Python's collector while thousands of eager calls fly)
+        self.copies: dict[int, tuple] = _NONE
         self.recompute = None  # a values.Recompute: how to make the value here if its worker is gone
         self.root: weakref.ref | None = None  # the placeholder of the whole value (its views hold it)
-        self.views: list[weakref.ref] = []  # lazy views of it (they share its local buffer)
+        self.views: list[weakref.ref] | tuple = ()  # lazy views of it (they share its local buffer)
         self.written = False  # an eager call wrote into the worker's value (a reply's copy of it is stale)
         self.stays = False  # its home is the worker (weights it loaded): not fetched when the session ends
         self.nbytes = 0  # the value's size, when known (its release rides on the next call sooner when large)
@@ -394,6 +400,8 @@ def _lazy_view(func, src: RemoteTensor, args, kwargs):
         r._rt_ref = ref
         r._rt_base = root
         r._rt_view = (list(v.shape), list(v.stride()), v.storage_offset() - origin)
+        if type(ref.views) is tuple:
+            ref.views = []
         ref.views.append(weakref.ref(r))
         return r
 

@@ -94,6 +94,8 @@ def import_values(conn: Connection, args: Sequence) -> None:
                                                                           list(t.stride()), 0)]),
                                  expect=m.TicketReply)
         conn.handles.seen(hid)  # from now on the worker may hold it: released with the placeholder
+        if type(ref.copies) is not dict:
+            ref.copies = {}
         ref.copies[(id(conn), _view_key(t))] = (conn, hid)
         ref.conn.request(m.SendHandles([arg], conn.link.url or "", ticket.ticket_id, ticket.secret),
                          expect=m.Ok)
