@@ -14,6 +14,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from remotorch.codec import messages as m
 from remotorch.codec.frames import FrameReader, FrameWriter
 from remotorch.codec.graph import encode_graph
+from remotorch.worker import guard, quota
+from remotorch.worker import runs as runs_module
 from remotorch.worker import worker as worker_module
 from remotorch.worker.quota import Limits
 from remotorch.worker.runs import run_kept
@@ -37,6 +39,7 @@ def _service(short: bool, monkeypatch, limits: Limits | None = None) -> tuple[Se
         return ran
 
     monkeypatch.setattr(worker_module, "run_kept", counted)
+    monkeypatch.setattr(runs_module, "run_kept", counted)  # (a Runs message's calls, in serve_runs)
     return Service(Worker("cpu", name="short" if short else "general", limits=limits or Limits())), taken
 
 
@@ -193,3 +196,72 @@ def test_a_run_that_fails_on_the_worker_fails_as_the_general_way_says(monkeypatc
                 peer.ask(m.Run(chol, args=[m.HandleArg(1)], keep=[0], handle_base=11, brief=True))]
 
     assert _both(monkeypatch, case)[-1] == "raised"  # (the second: compiled, so it went the short way)
+
+
+def test_a_runs_message_answers_and_keeps_as_the_general_way_does(monkeypatch):
+    """Eager calls queued together (``Runs``): the short way answers those kept as planned with their
+    milliseconds alone, and a failing one, one over a missing handle and one not kept as planned
+    exactly as the general way does; the calls after a failure still run."""
+
+    def case(peer):
+        peer.put(torch.arange(12.0).reshape(4, 3), -torch.eye(3))
+        neg = peer.graph(lambda a: -a, torch.ones(4, 3))
+        t = peer.graph(lambda a: a.t(), torch.ones(4, 3))
+        chol = peer.graph(lambda a: torch.linalg.cholesky(a), torch.eye(3))
+        runs = [m.Run(neg, args=[m.HandleArg(1)], keep=[0], handle_base=10, brief=True),
+                m.Run(neg, args=[m.HandleArg(10)], keep=[0], handle_base=11, brief=True),
+                m.Run(chol, args=[m.HandleArg(2)], keep=[0], handle_base=12, brief=True),  # fails
+                m.Run(neg, args=[m.HandleArg(12)], keep=[0], handle_base=13, brief=True),  # needs it
+                m.Run(t, args=[m.HandleArg(11)], keep=[0], handle_base=14, brief=True),  # not row-major
+                m.Run(neg, args=[m.HandleArg(11)], keep=[0], handle_base=15, brief=True)]
+        chores = [None, None, m.Pending(handles=[10]), None, None, None]
+        reply, frames = peer.ask(m.Runs(runs, [0] * len(runs), chores))
+        assert type(reply) is m.RunsReply, reply
+        said = {i: _replies(r, frames) for i, r in reply.said.items()}
+        return [(m.Ok(), []), *[(r, frames) for r in reply.said.values()]], said
+
+    got = []
+
+    def recorded(peer):
+        replies, said = case(peer)
+        got.append(said)
+        return replies
+
+    ways = _both(monkeypatch, recorded)
+    # the first call of a graph says it compiled; then the failure, the call behind it, the transposed one
+    assert got[0].keys() == got[1].keys() == {0, 2, 3, 4}, got
+    assert got[0][2][1] == "worker" and got[0][3][1:3] == ("missing", [12])
+    assert ways[-6:] == [True, True, "raised", "raised", True, True]
+
+
+def test_out_of_memory_on_the_short_way_evicts_and_runs_once_more(monkeypatch):
+    """As the general way's guard: a run that ran out of memory evicts what no session holds and runs
+    once more; out of memory again, it is a typed RemoteOutOfMemoryError; anything else a WorkerError."""
+    from remotorch import errors
+
+    evicted = []
+    monkeypatch.setattr(quota, "release_cached", lambda stores, device: evicted.append(1) or 1)
+    failures = [MemoryError("no room"), None]
+
+    def fn(a, b):
+        exc = failures.pop(0) if failures else None
+        if exc is not None:
+            raise exc
+        return a + b
+
+    values = [torch.ones(3), torch.ones(3)]
+    out, ms = guard.guarded_call("eager", fn, values, timeout=None, stores=(), device=torch.device("cpu"))
+    assert torch.equal(out, torch.full((3,), 2.0)) and evicted == [1] and ms >= 0
+    assert len(values) == 2  # (left as it was: each attempt takes a copy)
+
+    failures[:] = [MemoryError("no room"), MemoryError("still none")]
+    with pytest.raises(errors.RemoteOutOfMemoryError):
+        guard.guarded_call("eager", fn, values, timeout=None, stores=(), device=torch.device("cpu"))
+    failures[:] = [ValueError("bad")]
+    with pytest.raises(errors.WorkerError, match="ValueError: bad"):
+        guard.guarded_call("eager", fn, values, timeout=None, stores=(), device=torch.device("cpu"))
+    with torch.enable_grad():
+        failures[:] = [ValueError("bad")]
+        with pytest.raises(errors.WorkerError):
+            guard.guarded_call("eager", fn, values, timeout=None, stores=(), device=torch.device("cpu"))
+        assert torch.is_grad_enabled()

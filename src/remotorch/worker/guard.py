@@ -56,20 +56,21 @@ def guarded_call(engine: str, fn: Callable, values: list, *, timeout: float | No
     if timeout or device.type != "cpu":
         return guarded(engine, lambda: timed_call(fn, list(values), device), timeout=timeout, stores=stores,
                        device=device)
+    boxed = getattr(fn, "_boxed_call", False)
     grad = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
     try:
-        start = time.perf_counter()
-        out = fn(list(values)) if getattr(fn, "_boxed_call", False) else fn(*values)
-        return out, (time.perf_counter() - start) * 1e3
-    except Exception as exc:
-        if not quota.is_out_of_memory(exc) or not quota.release_cached(stores, device):
-            raise run_error(exc, engine) from None
+        for attempt in range(2):  # (as guarded: out of memory evicts what no session holds, once more)
+            try:
+                start = time.perf_counter()
+                out = fn(list(values)) if boxed else fn(*values)
+                return out, (time.perf_counter() - start) * 1e3
+            except Exception as exc:
+                if attempt or not quota.is_out_of_memory(exc) or not quota.release_cached(stores, device):
+                    raise run_error(exc, engine) from None
     finally:
         torch._C._set_grad_enabled(grad)
-    # out of memory, and what no session holds was evicted: once more, as guarded does
-    return guarded(engine, lambda: timed_call(fn, list(values), device), timeout=timeout, stores=stores,
-                   device=device)
+    raise AssertionError("unreachable")
 
 
 def timed_call(fn: Callable, values: list, device: torch.device) -> tuple:
