@@ -41,11 +41,18 @@ def guarded(engine: str, body: Callable[[], _T], *, timeout: float | None, store
             raise RequestTimeoutError(f"graph ran longer than the worker's request timeout of "
                                       f"{timeout:g}s and was stopped") from None
         except Exception as exc:
-            if attempt or not quota.is_out_of_memory(exc) or not quota.release_cached(stores, device):
-                raise run_error(exc, engine) from None
+            _once_more_or_raise(exc, attempt, engine, stores, device)
         finally:
             torch._C._set_grad_enabled(grad)
     raise AssertionError("unreachable")
+
+
+def _once_more_or_raise(exc: Exception, attempt: int, engine: str, stores: tuple[SharedStore, ...],
+                        device: torch.device) -> None:
+    """After a failed attempt: return (run it once more) when it was the first, out of memory, and
+    evicting what no session holds freed something; else raise its typed error."""
+    if attempt or not quota.is_out_of_memory(exc) or not quota.release_cached(stores, device):
+        raise run_error(exc, engine) from None
 
 
 def guarded_call(engine: str, fn: Callable, values: list, *, timeout: float | None,
@@ -66,8 +73,7 @@ def guarded_call(engine: str, fn: Callable, values: list, *, timeout: float | No
                 out = fn(list(values)) if boxed else fn(*values)
                 return out, (time.perf_counter() - start) * 1e3
             except Exception as exc:
-                if attempt or not quota.is_out_of_memory(exc) or not quota.release_cached(stores, device):
-                    raise run_error(exc, engine) from None
+                _once_more_or_raise(exc, attempt, engine, stores, device)
     finally:
         torch._C._set_grad_enabled(grad)
     raise AssertionError("unreachable")
