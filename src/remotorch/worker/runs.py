@@ -54,22 +54,14 @@ def run_kept(worker, session: object, req: m.Run, send) -> Ran | float | None:
         return None
     out, ms = guarded_call(req.engine, prep.fn, prep.values, timeout=worker.limits.request_timeout,
                            stores=worker.stores, device=worker.device)
-    if type(out) is torch.Tensor:
-        outs = [out]
-    else:
-        outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
     keep, n = req.keep, len(outs)
     if len(keep) == n and all(k == i for i, k in enumerate(keep)) and \
             all(type(o) is torch.Tensor and o.is_contiguous() and all(d > 1 for d in o.shape) for o in outs) \
             and worker.may_keep(session, sum(o.numel() * o.element_size() for o in outs)):
-        worker.handles.put(session, [req.handle_base] if n == 1 else list(range(req.handle_base, req.handle_base + n)),
-                           outs)
+        worker.handles.put(session, list(range(req.handle_base, req.handle_base + n)), outs)
         return Ran([_KEPT] * n, ms, True) if prep.compiled else ms
     return Ran(dispose(worker, session, OutputPlan.of(req), outs, frozenset(), {}, send), ms, prep.compiled)
-
-
-def _short_way(worker, session, run: m.Run, send):
-    return run_kept(worker, session, run, send)  # (looked up when called: tests turn the short way off)
 
 
 def error_of(exc: RemoteError) -> m.ErrorReply:
@@ -110,7 +102,7 @@ def serve_runs(worker, session, req: m.Runs, frames: list, send) -> tuple[m.Runs
         try:
             if housekeeping and housekeeping[i] is not None:
                 worker.apply_pending(session, housekeeping[i])
-            ran = _short_way(worker, session, run, send) if shortway and run.brief and not own and short(run) \
+            ran = run_kept(worker, session, run, send) if shortway and run.brief and not own and short(run) \
                 else None
             if ran is None:
                 ran = worker.run(session, run, own, send)
