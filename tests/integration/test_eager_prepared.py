@@ -142,44 +142,63 @@ def test_a_large_value_a_chain_drops_is_released_by_the_very_next_call(s):
     assert waiting[256] >= 15, waiting
 
 
-def test_eager_calls_leave_no_garbage_for_the_collector(s):
+# run in a fresh interpreter: the suite's own process carries garbage of earlier tests' (dynamo's caches
+# let go of compiled graphs through weak references) that the collector may find in any window
+_GARBAGE = """
+import collections, gc, json, sys
+import torch, remotorch
+
+def chain(y, n):
+    for _ in range(n):
+        y = y * 1.5
+        y = y + 0.25
+        y = torch.tanh(y)
+        y = y[:, 1:].sum(1, keepdim=True) + y
+    return y
+
+def ours(o):  # an object of remotorch's, or a function of remotorch's or of torch's pytree (tree_map)
+    if type(o).__module__.startswith("remotorch."):
+        return True
+    func = getattr(o, "__func__", o)
+    if not callable(o) or not hasattr(func, "__code__"):
+        return False
+    module = getattr(func, "__module__", None) or ""
+    return module.startswith("remotorch.") or module == "torch.utils._pytree"
+
+with remotorch.Session(sys.argv[1], token=sys.argv[2], keep_min_bytes=0) as s, torch.no_grad():
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    y = remotorch.compile(lambda a: a.clone(), session=s, fallback="raise")(x)
+    chain(y, 2).sum().item()  # every layout prepared
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    got = chain(y, 50)  # 250 calls, prepared
+    same = torch.equal(got, chain(x, 50))
+    del got
+    gc.collect()
+    cyclic = collections.Counter(type(o).__qualname__ for o in gc.garbage if ours(o))
+    gc.set_debug(0)
+    gc.garbage.clear()
+    print(json.dumps({"same": same, "calls": s.stats()["eager_ops"], "cyclic": cyclic}))
+"""
+
+
+def test_eager_calls_leave_no_garbage_for_the_collector(server):
     """Each call's records are freed as soon as its reply is read: none is in a reference cycle that
     only Python's collector frees (with thousands of calls in flight, such garbage promoted to the
     oldest generation made full collections of the user's whole heap, about 45% of the client's
     time per call)."""
-    import collections
-    import gc
+    import json
+    import subprocess
 
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
-    y = kept(s, x)
-    with torch.no_grad():
-        chain(y, 2).sum().item()  # every layout prepared
-        gc.collect()
-        gc.disable()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
-            got = chain(y, 50)  # 250 calls, prepared
-            assert torch.equal(got, chain(x, 50))
-            del got
-            gc.collect()
-            cyclic = collections.Counter(type(o).__qualname__ for o in gc.garbage if _ours(o))
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-            gc.enable()
-    assert not cyclic, cyclic.most_common(10)
+    from conftest import TOKEN, clean_env
 
-
-def _ours(o) -> bool:
-    """Garbage an eager call made: an object of remotorch's (a call's record, a reply, a placeholder's
-    reference), or a function of remotorch's or of torch's pytree (a lazy view's ``tree_map``). Other
-    threads of the suite's process make garbage of their own meanwhile (dynamo's, the test runner's)."""
-    kind = type(o)
-    if kind.__module__.startswith("remotorch"):
-        return True
-    func = getattr(o, "__func__", o)
-    code = getattr(func, "__code__", None)
-    return code is not None and ("remotorch" in code.co_filename or code.co_filename.endswith("_pytree.py"))
+    out = subprocess.run([sys.executable, "-c", _GARBAGE, server.url, TOKEN], env=clean_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["same"] and got["calls"] >= 250, got
+    assert not got["cyclic"], got["cyclic"]
 
 
 def test_prepared_calls_from_several_threads_at_once_equal_torch(s):
