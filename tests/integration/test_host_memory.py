@@ -5,7 +5,7 @@ Eager calls on a 1 MiB value kept on a real ``remotorch serve`` make and free
 buffer is a fresh mapping, paid for with a page fault per 4 KiB; the worker's
 tuned allocator (``remotorch.worker.hostmem``) reuses them. Counted in the
 worker process's own page faults (Linux's ``/proc``), which are deterministic
-enough to bound: a handful against hundreds per call.
+enough to bound: a handful against hundreds in a run of 100 calls.
 """
 
 from __future__ import annotations
@@ -31,25 +31,24 @@ def minor_faults(pid: int) -> int:
         return int(f.read().rpartition(")")[2].split()[7])
 
 
-def faults_of_a_chain(srv, calls: int = 200) -> tuple[int, float]:
-    """(the worker's page faults during ``calls`` eager calls on a kept 1 MiB value, the result)"""
+def faults_of_a_chain(srv, windows: int = 5, calls: int = 100) -> tuple[list[int], float]:
+    """(the worker's page faults in each of ``windows`` runs of ``calls`` eager calls on a kept 1 MiB
+    value, the last run's result)"""
     with remotorch.Session(srv.url, token=TOKEN) as s, torch.no_grad():
         keep = remotorch.compile(lambda a: a.clone(), session=s, fallback="raise")
         y = keep(torch.ones(256, 1024))
         assert type(y) is RemoteTensor and y.is_remote
-        for _ in range(2):  # every layout prepared, the heap warmed as the chain uses it
+        faults = []
+        for window in range(windows + 2):  # (the first two: every layout prepared, the heap warmed)
+            before = minor_faults(srv.proc.pid)
             z = y
             for _ in range(calls // 2):
                 z = z * 1.0001
                 z = z + 0.5
-            z.sum().item()
-        before = minor_faults(srv.proc.pid)
-        z = y
-        for _ in range(calls // 2):
-            z = z * 1.0001
-            z = z + 0.5
-        total = z.sum().item()
-        return minor_faults(srv.proc.pid) - before, total
+            total = z.sum().item()
+            if window >= 2:
+                faults.append(minor_faults(srv.proc.pid) - before)
+        return faults, total
 
 
 @linux
@@ -59,13 +58,15 @@ def test_a_cpu_worker_reuses_freed_buffers_and_the_default_allocator_does_not(st
     faults, total = faults_of_a_chain(tuned)
     plain_faults, plain_total = faults_of_a_chain(plain)
     want = torch.ones(256, 1024)
-    for _ in range(100):
+    for _ in range(50):
         want = want * 1.0001 + 0.5
     assert total == plain_total == want.sum().item()
-    assert faults < 100, faults  # 200 calls: under one fault every other call
-    # the C library's thresholds: a fresh mapping for many of the 1 MiB buffers (256 pages each); how
-    # many depends on where glibc's heap stands (229 to 5764 in 200 calls, measured), so only more
-    assert plain_faults > faults, (faults, plain_faults)
+    # the median of five runs of 100 calls (a run now and then grows the heap by a fresh buffer: 256
+    # faults): tuned, 2-6 measured; the C library's thresholds, a fresh mapping for many of the 1 MiB
+    # buffers: 964 and 1218 measured (a single run of them went as low as 2, so only more is asserted)
+    tuned_median, plain_median = sorted(faults)[2], sorted(plain_faults)[2]
+    assert tuned_median < 50, faults
+    assert plain_median > tuned_median, (faults, plain_faults)
 
 
 @linux
