@@ -44,7 +44,7 @@ import torch
 from torch.utils._pytree import tree_unflatten
 
 from .prepared import prepare
-from .remote import REMOTE, RemoteTensor, Tensor, _call_plain, _lazy_view
+from .remote import _NONE, REMOTE, RemoteTensor, Tensor, _call_plain, _lazy_view
 
 LOCAL = "local"  # read the remote arguments and run the call here
 PLAIN = "plain"  # the call touches no data (a hook, a data pointer): run it on the stand-ins as they are
@@ -315,8 +315,7 @@ def _written(ref) -> None:
     ref.recompute = None
     for other, handle in ref.copies.values():
         other.handles.release(handle)
-    if ref.copies:
-        ref.copies = {}
+    ref.copies = _NONE
     root = ref.root() if ref.root is not None else None
     if root is None or "_rt_view" in root.__dict__:
         return
