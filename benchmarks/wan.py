@@ -29,7 +29,11 @@ and run unchanged on a local model and on a ``remotorch.compile``\\ d one
 8. eager code on values the worker keeps (``remotorch.client.eager``): 8a, ten
    training steps of case 2 whose losses are logged once with
    ``torch.stack(losses).mean().item()``; 8b, 200 eager elementwise calls on
-   a kept 1 MiB value, then ``.sum().item()``. Reported per unit.
+   a kept 1 MiB value, then ``.sum().item()``. Reported per unit. Each has a
+   second remotorch row, its floor, not judged: for 8a the same ten steps
+   reading only the last loss (no eager call: case 2's code), for 8b the same
+   200 calls compiled into one graph (one request runs them all). Eager calls
+   that stand for those calls cannot take less.
 
 A control row for cases 5 and 6 (``control_units`` in ``_wan/cases.py``)
 runs the local code sleeping one RTT before each forward a remote run would

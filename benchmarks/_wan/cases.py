@@ -41,6 +41,8 @@ CASES = {
 }
 REMOTORCH = "remotorch"
 CONTROL = "control: local, idle one RTT a read"
+ONE_GRAPH = "remotorch, the calls compiled as one graph"
+NO_EAGER = "remotorch, no eager call: the last loss read"
 
 
 def counters(session: remotorch.Session) -> dict:
@@ -92,6 +94,11 @@ def training_cases(session, proxy, names, system: str = REMOTORCH) -> list[Unit]
         units.append(_unit("eager_log", session, [proxy], lambda i: w.train_steps_logged(f8, opt8, ten8(i)),
                            lambda i: w.train_steps_logged(ref8, ref_opt8, ten8(i)), loss_diff, scale=0.5,
                            system=system))
+        if system == REMOTORCH:  # its floor: the same ten steps reading the last loss, no eager call (not judged)
+            f9, opt9, ref9, ref_opt9 = _train_pair(session)
+            units.append(_unit("eager_log", session, [proxy], lambda i: w.train_steps_read_once(f9, opt9, ten8(i)),
+                               lambda i: w.train_steps_read_once(ref9, ref_opt9, ten8(i)), loss_diff, scale=0.5,
+                               system=NO_EAGER))
     if "train_local_opt" in names:
         f3, opt3, ref3, ref_opt3 = _train_pair(session, local_opt=True)
         units.append(_unit("train_local_opt", session, [proxy], lambda i: w.train_step(f3, opt3, bs[i % len(bs)]),
@@ -114,11 +121,16 @@ def inference_cases(session, proxy, names, tokens: int = 16) -> list[Unit]:
         fi = _compile(net, session)
         units.append(_unit("infer", session, [proxy], lambda i: w.infer(fi, x), lambda i: w.infer(ref_net, x), same))
     if "eager_chain" in names:
-        x = w.chain_input()
+        x8 = w.chain_input()  # (its own names: the lambdas above close over x)
         with torch.no_grad():
-            y = _compile(lambda a: a.clone(), session)(x)  # kept on the worker: the chain's calls run there
-        units.append(_unit("eager_chain", session, [proxy], lambda i: w.chain(y), lambda i: w.chain(x), same,
+            y8 = _compile(lambda a: a.clone(), session)(x8)  # kept on the worker: the chain's calls run there
+        units.append(_unit("eager_chain", session, [proxy], lambda i: w.chain(y8), lambda i: w.chain(x8), same,
                            scale=0.5))
+        # its floor: the same calls compiled into one graph, so one request runs them all (a remote eager call
+        # cannot do better than the calls it stands for sent at once); not judged
+        one = _compile(w.chain_calls, session)
+        units.append(_unit("eager_chain", session, [proxy], lambda i: one(y8).sum().item(), lambda i: w.chain(x8),
+                           same, scale=0.5, system=ONE_GRAPH))
     return units
 
 

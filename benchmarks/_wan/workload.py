@@ -111,10 +111,15 @@ def chain_input() -> torch.Tensor:
 
 def chain(y: torch.Tensor) -> float:
     """Case 8b: 200 eager elementwise calls on a value (remotely, one the worker keeps), then a scalar read."""
+    return chain_calls(y).sum().item()
+
+
+def chain_calls(y: torch.Tensor) -> torch.Tensor:
+    """Case 8b's 200 elementwise calls (its floor row compiles them into one graph)."""
     for _ in range(100):
         y = y * 1.0001
         y = y + 0.5
-    return y.sum().item()
+    return y
 
 
 def branchy(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

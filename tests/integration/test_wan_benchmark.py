@@ -3,7 +3,8 @@
 The benchmark runs as a user runs it (a fresh process, ``--quick``: RTT 2 ms
 through the delay proxy, two timed units per case, remotorch only, no Ray or
 torch RPC), on the cases that compile fast (generate and the local-optimizer
-step are left out to keep this cheap). Its figures are timings and are not
+step are left out to keep this cheap), with case 8b's floor row (its calls
+compiled as one graph). Its figures are timings and are not
 judged here; the test checks that every case ran or, for the two-worker
 cases, reported why it did not, that every figure is a finite number, that
 every remote result matched the local one, and that the control row (the
@@ -21,9 +22,10 @@ import sys
 from helpers import REPO
 
 SCRIPT = REPO / "benchmarks" / "wan.py"
-ONE_WORKER = ("train", "train10", "branch", "infer")
+ONE_WORKER = ("train", "train10", "branch", "infer", "eager_chain")
 TWO_WORKERS = ("dp", "pipeline")
 CONTROL = "control: local, idle one RTT a read"
+ONE_GRAPH = "remotorch, the calls compiled as one graph"
 
 
 def test_quick_run_prints_its_table_with_a_row_per_case(tmp_path):
@@ -38,7 +40,14 @@ def test_quick_run_prints_its_table_with_a_row_per_case(tmp_path):
     assert data["quick"] is True and data["rtts_ms"] == [2.0] and len(data["runs"]) == 1
     rows = {r["case"]: r for r in data["runs"][0] if r["system"] == "remotorch"}
     controls = {r["case"]: r for r in data["runs"][0] if r["system"] == CONTROL}
-    assert {r["system"] for r in data["runs"][0]} == {"remotorch", CONTROL}  # no peers in a quick run
+    assert {r["system"] for r in data["runs"][0]} == {"remotorch", CONTROL, ONE_GRAPH}  # no peers in a quick run
+    # case 8b's floor: its 200 calls compiled into one graph, one request for them (and one for the sum)
+    floor = [r for r in data["runs"][0] if r["system"] == ONE_GRAPH]
+    assert [r["case"] for r in floor] == ["eager_chain"], floor
+    assert floor[0]["max_diff"] is not None and floor[0]["max_diff"] <= 1e-2, floor
+    assert floor[0]["requests_per_step"] == 2 and floor[0]["blocking_reads_per_step"] == 1, floor
+    assert rows["eager_chain"]["requests_per_step"] > 2, rows["eager_chain"]
+    assert f"{ONE_GRAPH} " in proc.stdout
     # the control (case 6 here): the local code sleeping one RTT a call, so at least that much slower
     assert set(controls) == {"infer"}, controls.keys()
     assert controls["infer"]["remote_ms"] >= controls["infer"]["local_ms"] + 2.0, controls
@@ -61,5 +70,7 @@ def test_quick_run_prints_its_table_with_a_row_per_case(tmp_path):
         assert title in proc.stdout, title
         if case in failed:
             assert f"{title}: FAILED" in proc.stdout
-    # no RTT of 20 ms was measured, so no target was judged, and the exit status says whether a case failed
-    assert data["targets"] == [] and (proc.returncode == 0) == (not failed)
+    # no RTT of 20 ms was measured, so only case 8b's target (judged at every RTT) was, at 2 ms; the exit
+    # status says whether a case failed or a target was missed
+    assert [t["name"] for t in data["targets"]] == [f"{data['cases']['eager_chain']} at 2 ms: (remote - local) / RTT"]
+    assert (proc.returncode == 0) == (not failed and all(t["pass"] for t in data["targets"]))
