@@ -25,7 +25,7 @@ from ..errors import InvalidRequestError, MissingObjectsError
 
 
 def nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
 def count_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -39,8 +39,18 @@ def count_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return total
 
 
+_GONE = object()
+
+
 class HandleStore:
-    """Handle id -> tensor, per session."""
+    """Handle id -> tensor, per session.
+
+    It keeps the bytes its tensors hold as they come and go, each tensor
+    object counted once however many handles name it (as :func:`count_bytes`
+    counts): a memory quota asks for them before every output a run keeps,
+    and a sum over every value held would make each eager call cost as much
+    as the values the session keeps.
+    """
 
     #: the longest a request waits for a handle another worker is to deliver (the serving loop waits)
     wait_s = 60.0
@@ -50,6 +60,11 @@ class HandleStore:
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)  # a delivery stored handles
         self._expected: dict[object, dict[int, float]] = {}  # session -> handle id -> deadline (monotonic)
+        # each tensor object held: id -> [the tensor, handles naming it], per session and over all of them
+        self._refs: dict[object, dict[int, list]] = {}
+        self._all: dict[int, list] = {}
+        self._bytes: dict[object, int] = {}  # per session, each object once
+        self.total_bytes = 0  # over every session, each object once
 
     def count(self) -> int:
         """Tensors kept by handle, all sessions together."""
@@ -64,8 +79,59 @@ class HandleStore:
 
     def drop_session(self, session: object) -> None:
         with self._lock:
-            self._sessions.pop(session, None)
+            held = self._sessions.pop(session, None)
             self._expected.pop(session, None)
+            for t in (held or {}).values():
+                self._unref(session, t)
+            self._refs.pop(session, None)
+            self._bytes.pop(session, None)
+
+    def _ref(self, session: object, t) -> None:
+        """One more handle of ``session`` names ``t`` (the lock is held)."""
+        key = id(t)
+        refs = self._refs.get(session)
+        if refs is None:
+            refs = self._refs[session] = {}
+        r = refs.get(key)
+        if r is not None:
+            r[1] += 1
+            return
+        refs[key] = [t, 1]
+        n = nbytes(t)
+        self._bytes[session] = self._bytes.get(session, 0) + n
+        a = self._all.get(key)
+        if a is None:
+            self._all[key] = [t, 1]
+            self.total_bytes += n
+        else:
+            a[1] += 1  # (held by another session too: counted once over all)
+
+    def _unref(self, session: object, t) -> None:
+        """A handle of ``session`` naming ``t`` is gone (the lock is held)."""
+        key = id(t)
+        refs = self._refs.get(session)
+        r = refs.get(key) if refs is not None else None
+        if r is None:
+            return
+        r[1] -= 1
+        if r[1]:
+            return
+        del refs[key]
+        n = nbytes(t)
+        self._bytes[session] -= n
+        a = self._all[key]
+        a[1] -= 1
+        if not a[1]:
+            del self._all[key]
+            self.total_bytes -= n
+
+    def nbytes(self, session: object) -> int:
+        """Bytes of the tensors a session's handles name, each object once."""
+        return self._bytes.get(session, 0)
+
+    def objects(self, session: object | None = None) -> dict[int, list]:
+        """The tensor objects held (one session's, or every session's): id -> [tensor, handles]; read only."""
+        return self._all if session is None else self._refs.get(session) or {}
 
     def expect(self, session: object, ids: list[int], deadline: float) -> None:
         """Another worker is to deliver these handles (a ticket is out): a request that needs one
@@ -105,11 +171,13 @@ class HandleStore:
                 if ids[0] in held:
                     raise InvalidRequestError("handle ids are already in use")
                 held[ids[0]] = tensors[0]
+                self._ref(session, tensors[0])
             else:
                 if len(set(ids)) != len(ids) or any(h in held for h in ids):
                     raise InvalidRequestError("handle ids are already in use")
                 for h, t in zip(ids, tensors):
                     held[h] = t
+                    self._ref(session, t)
             expected = self._expected.get(session)
             if expected:
                 for h in ids:
@@ -133,10 +201,14 @@ class HandleStore:
     def release(self, session: object, ids: Iterable[int]) -> None:
         """Forget handles; ids the session does not hold are ignored."""
         held = self._sessions.get(session)
-        expected = self._expected.get(session)
-        if held is not None:
+        if held is None:
+            return
+        with self._lock:
+            expected = self._expected.get(session)
             for h in ids:
-                held.pop(h, None)
+                t = held.pop(h, _GONE)
+                if t is not _GONE:
+                    self._unref(session, t)
                 if expected:
                     expected.pop(h, None)
 
@@ -150,6 +222,3 @@ class HandleStore:
         for held in stores:
             yield from list(held.values())
 
-    def bytes(self, session: object) -> int:
-        """Bytes of the handles a session holds."""
-        return sum(nbytes(t) for t in self.tensors(session))

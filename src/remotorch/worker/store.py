@@ -31,6 +31,7 @@ class SharedStore:
     def __init__(self, keep_bytes: int = 0) -> None:
         self._entries: dict[str, _Entry] = {}
         self._by_session: dict[object, set[str]] = {}
+        self._session_bytes: dict[object, int] = {}  # bytes of what each session holds (kept as they change)
         self._lock = threading.Lock()
         self.total_bytes = 0
         self.keep_bytes = keep_bytes  # bound of the cache of objects no session holds
@@ -44,8 +45,14 @@ class SharedStore:
             if entry is None:
                 entry = self._entries[key] = _Entry(value, nbytes)
                 self.total_bytes += nbytes
-            entry.holders.add(session)
-            self._by_session.setdefault(session, set()).add(key)
+            self._hold(session, key, entry)
+
+    def _hold(self, session: object, key: str, entry: _Entry) -> None:
+        entry.holders.add(session)
+        keys = self._by_session.setdefault(session, set())
+        if key not in keys:
+            keys.add(key)
+            self._session_bytes[session] = self._session_bytes.get(session, 0) + entry.nbytes
 
     def adopt(self, session: object, key: str) -> bool:
         """Let a session hold an object that is already stored (live or cached); False if absent.
@@ -58,8 +65,7 @@ class SharedStore:
             entry = self._entries.get(key) or self._revive(key)
             if entry is None:
                 return False
-            entry.holders.add(session)
-            self._by_session.setdefault(session, set()).add(key)
+            self._hold(session, key, entry)
             return True
 
     def _revive(self, key: str) -> _Entry | None:
@@ -112,13 +118,15 @@ class SharedStore:
         return [k for k in keys if k not in held]
 
     def session_bytes(self, session: object) -> int:
-        with self._lock:
-            return sum(self._entries[k].nbytes for k in self._by_session.get(session, ()))
+        """Bytes of the objects a session holds (a sum kept as they come and go: a memory quota asks
+        for it before every output a run keeps)."""
+        return self._session_bytes.get(session, 0)
 
     def drop_session(self, session: object) -> list[str]:
         """Forget a session; returns the keys whose last holder it was (now cached or freed)."""
         freed = []
         with self._lock:
+            self._session_bytes.pop(session, None)
             for key in self._by_session.pop(session, set()):
                 entry = self._entries[key]
                 entry.holders.discard(session)
@@ -143,6 +151,7 @@ class SharedStore:
                     continue
                 held.discard(key)
                 entry = self._entries[key]
+                self._session_bytes[session] -= entry.nbytes
                 entry.holders.discard(session)
                 if not entry.holders:
                     del self._entries[key]

@@ -42,7 +42,7 @@ from .quota import Limits
 from .disk import DiskCache
 from .store import SharedStore
 from .timing import MAX_REPEATS, MAX_WARMUPS, TimedRuns, time_runs
-from .handles import HandleStore, count_bytes
+from .handles import HandleStore, nbytes
 from ..codec.args import expand
 from .outputs import OutputPlan, Send, dispose, grad_slots, zeros
 from .runs import _KEPT, run_kept, short
@@ -148,8 +148,17 @@ class Worker:
         return storages(list(chain(self._tensors.values(), self.trainables.tensors())))
 
     def state_bytes(self, session: object | None = None) -> int:
-        """Bytes of kept values, parameters, gradients and optimizer state (one session, or all)."""
-        return count_bytes(chain(self.handles.tensors(session), self.trainables.tensors(session)))
+        """Bytes of kept values, parameters, gradients and optimizer state (one session, or all), each
+        tensor object once. The kept values' bytes are kept as they change (a memory quota asks before
+        every output a run keeps, and a session may keep thousands); the training state is counted here."""
+        held = self.handles.objects(session)
+        total = self.handles.total_bytes if session is None else self.handles.nbytes(session)
+        seen: set[int] = set()
+        for t in self.trainables.tensors(session):
+            if isinstance(t, torch.Tensor) and id(t) not in held and id(t) not in seen:
+                seen.add(id(t))
+                total += nbytes(t)
+        return total
 
     def info(self) -> dict:
         return {"name": self.name, "device": str(self.device), "torch_version": str(torch.__version__),
