@@ -13,12 +13,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from remotorch.codec import messages as m
 from remotorch.codec.frames import FrameWriter
 from remotorch.codec.graph import encode_graph
-from remotorch.worker import handles as handles_module
-from remotorch.worker import worker as worker_module
 from remotorch.worker.handles import HandleStore, count_bytes
 from remotorch.worker.quota import Limits
 from remotorch.worker.service import Service
 from remotorch.worker.store import SharedStore
+from remotorch.worker.tenants import Tenants
 from remotorch.worker.worker import Worker
 
 
@@ -36,6 +35,9 @@ def test_kept_bytes_equal_a_count_of_every_object_once_through_random_changes():
     held = {s: set() for s in sessions}
     next_id = 1
     for step in range(600):
+        if step == 150:  # counted by sums only from here (a worker with a quota tracks from the start)
+            assert not w.handles.tracking
+            w.handles.track()
         s = rng.choice(sessions)
         op = rng.random()
         if op < 0.5:  # keep one to three tensors, some of them objects held already (here or elsewhere)
@@ -64,7 +66,20 @@ def test_kept_bytes_equal_a_count_of_every_object_once_through_random_changes():
             held[s].clear()
         for who in (*sessions, None):
             assert w.state_bytes(who) == _brute_state(w, who), (step, who)
-        assert w.handles.total_bytes == count_bytes(w.handles.tensors())
+        if w.handles.tracking:
+            assert w.handles.total_bytes == count_bytes(w.handles.tensors())
+
+
+def test_a_worker_keeps_the_sums_only_where_a_quota_a_limit_or_tenants_ask_for_them():
+    assert not Worker("cpu", name="plain").handles.tracking  # (storing a handle stays a dict operation)
+    assert Worker("cpu", name="quota", limits=Limits(memory_quota=1 << 30)).handles.tracking
+    assert Worker("cpu", name="limit", limits=Limits(memory_limit=1 << 30)).handles.tracking
+    service = Service(Worker("cpu", name="tenants"))
+    w = service.worker
+    w.handles.put("a", [1, 2], [torch.zeros(4), torch.zeros(2)])
+    assert not w.handles.tracking
+    service.use_tenants(Tenants(None, "a-token"))  # (a tokens file's: the handles held already count too)
+    assert w.handles.tracking and w.handles.nbytes("a") == 24 == w.state_bytes("a")
 
 
 def test_a_sessions_uploads_are_counted_as_they_come_and_go():
@@ -107,17 +122,17 @@ def test_a_quota_does_not_count_every_value_kept_before_each_eager_call(monkeypa
     session = next(iter(service.worker.handles._sessions))
     service.worker.handles.put(session, list(range(10 ** 6, 10 ** 6 + 1000)), [torch.randn(4) for _ in range(1000)])
     counted = []
+    every_value = HandleStore.tensors
 
-    def counting(t):
-        counted.append(1)
-        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-    monkeypatch.setattr(handles_module, "nbytes", counting)
-    monkeypatch.setattr(worker_module, "nbytes", counting)
+    def counting(self, session=None):  # what a count of every value held walks
+        counted.append(session)
+        return every_value(self, session)
+    monkeypatch.setattr(HandleStore, "tensors", counting)
     gid = payload.graph_id[:m.SHORT_GRAPH_ID]
     runs = [m.Run(gid, args=[m.HandleArg(1 + j)], keep=[0], handle_base=2 + j, brief=True) for j in range(16)]
     reply = ask(m.Runs(runs, [0] * 16, [None] + [m.Pending(handles=[1 + j]) for j in range(15)]))
     assert type(reply) is m.RunsReply and not reply.said, reply  # every output kept, within the quota
-    assert len(counted) <= 2 * 16, len(counted)  # its own output and one release a call; not the 1000
+    assert counted == []  # no call walked the 1000 values (the sums kept say what the session holds)
     expected = x
     for _ in range(17):  # the first run, then the sixteen
         expected = expected * 1.5

@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from itertools import chain
 
 import torch
 
@@ -42,14 +43,33 @@ def count_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 _GONE = object()
 
 
+def held_bytes(store: HandleStore, session: object | None, others: Iterable) -> int:
+    """Bytes of a session's handles (None: every session's) and of ``others`` (tensors held otherwise:
+    the training state), each object once, as :func:`count_bytes` over both counts them; the handles'
+    from the sums the store keeps once tracked (a memory quota asks before every output kept, and a
+    session may keep thousands of values)."""
+    if not store.tracking:
+        return count_bytes(chain(store.tensors(session), others))
+    held = store.objects(session)
+    total = store.total_bytes if session is None else store.nbytes(session)
+    seen: set[int] = set()
+    for t in others:
+        if isinstance(t, torch.Tensor) and id(t) not in held and id(t) not in seen:
+            seen.add(id(t))
+            total += t.nbytes
+    return total
+
+
 class HandleStore:
     """Handle id -> tensor, per session.
 
-    It keeps the bytes its tensors hold as they come and go, each tensor
-    object counted once however many handles name it (as :func:`count_bytes`
-    counts): a memory quota asks for them before every output a run keeps,
-    and a sum over every value held would make each eager call cost as much
-    as the values the session keeps.
+    Once :meth:`track` was called (a worker with a memory quota or a memory
+    limit does at start-up, a service with tenants when it sets them up), it keeps the bytes its tensors hold
+    as they come and go, each tensor object counted once however many
+    handles name it (as :func:`count_bytes` counts): the quota asks for them
+    before every output a run keeps, and a sum over every value held would
+    make each eager call cost as much as the values the session keeps.
+    Without, storing and releasing a handle costs a dict operation.
     """
 
     #: the longest a request waits for a handle another worker is to deliver (the serving loop waits)
@@ -60,11 +80,22 @@ class HandleStore:
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)  # a delivery stored handles
         self._expected: dict[object, dict[int, float]] = {}  # session -> handle id -> deadline (monotonic)
-        # each tensor object held: id -> [the tensor, handles naming it], per session and over all of them
+        # each tensor object held: id -> [handles (sessions) naming it, its bytes], per session and over all
         self._refs: dict[object, dict[int, list]] = {}
         self._all: dict[int, list] = {}
         self._bytes: dict[object, int] = {}  # per session, each object once
         self.total_bytes = 0  # over every session, each object once
+        self.tracking = False  # (see track)
+
+    def track(self) -> None:
+        """Keep the bytes held from now on (counting what is held now, once)."""
+        with self._lock:
+            if self.tracking:
+                return
+            self.tracking = True
+            for session, held in self._sessions.items():
+                for t in held.values():
+                    self._ref(session, t)
 
     def count(self) -> int:
         """Tensors kept by handle, all sessions together."""
@@ -81,56 +112,60 @@ class HandleStore:
         with self._lock:
             held = self._sessions.pop(session, None)
             self._expected.pop(session, None)
-            for t in (held or {}).values():
-                self._unref(session, t)
+            refs = self._refs.get(session)
+            if refs is not None:
+                for t in (held or {}).values():
+                    self._unref(refs, session, id(t))
             self._refs.pop(session, None)
             self._bytes.pop(session, None)
 
     def _ref(self, session: object, t) -> None:
-        """One more handle of ``session`` names ``t`` (the lock is held)."""
+        """One more handle of ``session`` names ``t`` (the lock is held). The handles hold the object,
+        so its id names it while any counts it."""
         key = id(t)
         refs = self._refs.get(session)
         if refs is None:
             refs = self._refs[session] = {}
         r = refs.get(key)
         if r is not None:
-            r[1] += 1
+            r[0] += 1
             return
-        refs[key] = [t, 1]
-        n = nbytes(t)
+        n = t.nbytes if isinstance(t, torch.Tensor) else 0
+        refs[key] = [1, n]
         self._bytes[session] = self._bytes.get(session, 0) + n
         a = self._all.get(key)
         if a is None:
-            self._all[key] = [t, 1]
+            self._all[key] = [1, n]
             self.total_bytes += n
         else:
-            a[1] += 1  # (held by another session too: counted once over all)
+            a[0] += 1  # (another session holds it too: counted once over all)
 
-    def _unref(self, session: object, t) -> None:
-        """A handle of ``session`` naming ``t`` is gone (the lock is held)."""
-        key = id(t)
-        refs = self._refs.get(session)
-        r = refs.get(key) if refs is not None else None
+    def _unref(self, refs: dict, session: object, key: int) -> None:
+        """A handle of ``session`` naming the object ``key`` is gone (the lock is held)."""
+        r = refs.get(key)
         if r is None:
             return
-        r[1] -= 1
-        if r[1]:
+        r[0] -= 1
+        if r[0]:
             return
         del refs[key]
-        n = nbytes(t)
+        n = r[1]
         self._bytes[session] -= n
         a = self._all[key]
-        a[1] -= 1
-        if not a[1]:
+        a[0] -= 1
+        if not a[0]:
             del self._all[key]
             self.total_bytes -= n
 
     def nbytes(self, session: object) -> int:
-        """Bytes of the tensors a session's handles name, each object once."""
+        """Bytes of the tensors a session's handles name, each object once (kept once tracked)."""
+        if not self.tracking:
+            return count_bytes(self.tensors(session))
         return self._bytes.get(session, 0)
 
     def objects(self, session: object | None = None) -> dict[int, list]:
-        """The tensor objects held (one session's, or every session's): id -> [tensor, handles]; read only."""
+        """The ids of the tensor objects held (one session's, or every session's), each -> [handles (or
+        sessions) naming it, its bytes]; read only."""
         return self._all if session is None else self._refs.get(session) or {}
 
     def expect(self, session: object, ids: list[int], deadline: float) -> None:
@@ -171,13 +206,15 @@ class HandleStore:
                 if ids[0] in held:
                     raise InvalidRequestError("handle ids are already in use")
                 held[ids[0]] = tensors[0]
-                self._ref(session, tensors[0])
+                if self.tracking:
+                    self._ref(session, tensors[0])
             else:
                 if len(set(ids)) != len(ids) or any(h in held for h in ids):
                     raise InvalidRequestError("handle ids are already in use")
                 for h, t in zip(ids, tensors):
                     held[h] = t
-                    self._ref(session, t)
+                    if self.tracking:
+                        self._ref(session, t)
             expected = self._expected.get(session)
             if expected:
                 for h in ids:
@@ -203,12 +240,20 @@ class HandleStore:
         held = self._sessions.get(session)
         if held is None:
             return
-        with self._lock:
+        if not self.tracking:
             expected = self._expected.get(session)
             for h in ids:
+                held.pop(h, None)
+                if expected:
+                    expected.pop(h, None)
+            return
+        with self._lock:
+            expected = self._expected.get(session)
+            refs = self._refs.get(session)
+            for h in ids:
                 t = held.pop(h, _GONE)
-                if t is not _GONE:
-                    self._unref(session, t)
+                if t is not _GONE and refs is not None:
+                    self._unref(refs, session, id(t))
                 if expected:
                     expected.pop(h, None)
 

@@ -77,6 +77,7 @@ class Service:
     def use_tenants(self, tenants: Tenants) -> Tenancy:
         """Serve these tenants: each connection is one, and the worker asks its quotas and allowlists."""
         self.tenancy = self.worker.tenancy = Tenancy(tenants, self.leases)
+        self.worker.handles.track()  # (a tenant's quota asks what its sessions hold before every output kept)
         return self.tenancy
 
     def request_reload(self) -> None:

@@ -42,7 +42,7 @@ from .quota import Limits
 from .disk import DiskCache
 from .store import SharedStore
 from .timing import MAX_REPEATS, MAX_WARMUPS, TimedRuns, time_runs
-from .handles import HandleStore, nbytes
+from .handles import HandleStore, held_bytes
 from ..codec.args import expand
 from .outputs import OutputPlan, Send, dispose, grad_slots, zeros
 from .runs import _KEPT, run_kept, short
@@ -79,6 +79,9 @@ class Worker:
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.name = name
         self.price_per_hour = price_per_hour  # $ per hour of this worker, for cost reports
+        self.handles = HandleStore()  # every value kept for a session, by handle id
+        if limits.memory_quota is not None or limits.memory_limit is not None:
+            self.handles.track()  # (asked before every output kept: see state_bytes)
         self.limits = limits
         self.engines = engines.available(self.device)
         if engine_names is not None:  # offer only these (in this order); each must load here
@@ -92,7 +95,6 @@ class Worker:
         self.generators = Generators(self.device)  # each session's random generator state
         self._tensors = SharedStore(limits.cache_bytes)
         self.stores = (self._tensors, self._graphs)  # (what out of memory may evict: worker/guard.py)
-        self.handles = HandleStore()  # every value kept for a session, by handle id
         self.trainables = Trainables(self.device)  # parameter slots and optimizers
         self.groups = Groups(self.trainables, self.device, group_host)  # process groups with other workers
         # namespaces of custom operators graphs may call (registered here: see worker/custom_ops.py)
@@ -149,16 +151,8 @@ class Worker:
 
     def state_bytes(self, session: object | None = None) -> int:
         """Bytes of kept values, parameters, gradients and optimizer state (one session, or all), each
-        tensor object once. The kept values' bytes are kept as they change (a memory quota asks before
-        every output a run keeps, and a session may keep thousands); the training state is counted here."""
-        held = self.handles.objects(session)
-        total = self.handles.total_bytes if session is None else self.handles.nbytes(session)
-        seen: set[int] = set()
-        for t in self.trainables.tensors(session):
-            if isinstance(t, torch.Tensor) and id(t) not in held and id(t) not in seen:
-                seen.add(id(t))
-                total += nbytes(t)
-        return total
+        tensor object once (the kept values' from the sums the handles keep where a quota asks)."""
+        return held_bytes(self.handles, session, self.trainables.tensors(session))
 
     def info(self) -> dict:
         return {"name": self.name, "device": str(self.device), "torch_version": str(torch.__version__),
