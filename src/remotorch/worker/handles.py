@@ -63,13 +63,14 @@ def held_bytes(store: HandleStore, session: object | None, others: Iterable) -> 
 class HandleStore:
     """Handle id -> tensor, per session.
 
-    Once :meth:`track` was called (a worker with a memory quota or a memory
-    limit does at start-up, a service with tenants when it sets them up), it keeps the bytes its tensors hold
-    as they come and go, each tensor object counted once however many
-    handles name it (as :func:`count_bytes` counts): the quota asks for them
-    before every output a run keeps, and a sum over every value held would
-    make each eager call cost as much as the values the session keeps.
-    Without, storing and releasing a handle costs a dict operation.
+    Once :meth:`track` was called (by a worker with a memory quota or a
+    memory limit at start-up, by a service when it sets up tenants), it keeps
+    the bytes its tensors hold as they come and go, each tensor object
+    counted once however many handles name it (as :func:`count_bytes`
+    counts): the quota asks for them before every output a run keeps, and a
+    sum over every value held would make each eager call cost as much as the
+    values the session keeps. Without, storing and releasing a handle costs
+    a dict operation.
     """
 
     #: the longest a request waits for a handle another worker is to deliver (the serving loop waits)
