@@ -56,7 +56,7 @@ def held_bytes(store: HandleStore, session: object | None, others: Iterable) -> 
     for t in others:
         if isinstance(t, torch.Tensor) and id(t) not in held and id(t) not in seen:
             seen.add(id(t))
-            total += t.nbytes
+            total += nbytes(t)
     return total
 
 
@@ -131,7 +131,7 @@ class HandleStore:
         if r is not None:
             r[0] += 1
             return
-        n = t.nbytes if isinstance(t, torch.Tensor) else 0
+        n = nbytes(t)
         refs[key] = [1, n]
         self._bytes[session] = self._bytes.get(session, 0) + n
         a = self._all.get(key)
